@@ -1,0 +1,122 @@
+"""TrainConfig: every option of `minipar train`, and the one place where they are checked.
+
+`validate` runs on every rank before any collective and returns the problems as one-line messages, so
+a user mistake ends the job with a clear error and exit code 2 instead of a hang or a traceback.
+Lesson: lessons/12_reliability.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+MODELS = ("gpt", "mlp")
+SCHEDULES = ("naive", "gpipe", "1f1b")
+PRECISIONS = ("fp64", "fp32", "bf16", "fp16")
+OFFLOADS = ("none", "cpu", "disk")
+BACKENDS = ("numpy", "cupy")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "gpt"
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    precision: str = "fp32"
+    offload: str = "none"
+    device_mem_mb: float | None = None
+    chunk_mb: float | None = None
+    steps: int = 60
+    batch_size: int = 16
+    seq_len: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    optimizer: str = "adamw"
+    seed: int = 0
+    backend: str = "numpy"
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 64
+    bucket_mb: float = 0.25
+    fused: bool = False
+    log: str | None = None
+    save: str | None = None
+    resume: str | None = None
+    check_reference: bool = False
+    quiet: bool = False
+
+    def replace(self, **changes) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def resolved(self, world_size: int) -> TrainConfig:
+        """Fill in dp (world size / (tp * pp)) when it was left out."""
+        if self.dp is not None:
+            return self
+        return self.replace(dp=max(1, world_size // max(1, self.tp * self.pp)))
+
+    @property
+    def dtype(self) -> str:
+        return "float64" if self.precision == "fp64" else "float32"
+
+    def n_units(self) -> int:
+        """Pipeline units of the model: embedding + blocks + head for the GPT, layers for the MLP."""
+        return self.n_layer + 2 if self.model == "gpt" else self.n_layer
+
+
+def _positive(cfg: TrainConfig) -> list[str]:
+    names = ["steps", "batch_size", "seq_len", "n_layer", "n_head", "d_model", "tp", "pp", "microbatches"]
+    errors = [f"--{n.replace('_', '-')} must be a positive integer, got {getattr(cfg, n)}"
+              for n in names if getattr(cfg, n) < 1]
+    if cfg.dp is not None and cfg.dp < 1:
+        errors.append(f"--dp must be a positive integer, got {cfg.dp}")
+    if cfg.lr <= 0:
+        errors.append(f"--lr must be positive, got {cfg.lr}")
+    if cfg.bucket_mb <= 0:
+        errors.append(f"--bucket-mb must be positive, got {cfg.bucket_mb}")
+    return errors
+
+
+def _choices(cfg: TrainConfig) -> list[str]:
+    errors = []
+    for name, allowed in [("model", MODELS), ("schedule", SCHEDULES), ("precision", PRECISIONS),
+                          ("offload", OFFLOADS), ("backend", BACKENDS), ("optimizer", ("adamw", "sgd"))]:
+        if getattr(cfg, name) not in allowed:
+            errors.append(f"--{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
+    if cfg.zero not in (0, 1, 2, 3):
+        errors.append(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
+    return errors
+
+
+def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
+    errors = []
+    if cfg.dp * cfg.tp * cfg.pp != world_size:
+        errors.append(f"dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp} = {cfg.dp * cfg.tp * cfg.pp} "
+                      f"does not match the world size {world_size} (mpiexec -n)")
+    if cfg.batch_size % cfg.dp:
+        errors.append(f"--batch-size {cfg.batch_size} is not divisible by dp={cfg.dp}")
+    elif (cfg.batch_size // cfg.dp) % cfg.microbatches:
+        errors.append(f"the per-replica batch {cfg.batch_size // cfg.dp} is not divisible by "
+                      f"--microbatches {cfg.microbatches}")
+    if cfg.model == "gpt":
+        if cfg.d_model % cfg.n_head:
+            errors.append(f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}")
+        if cfg.n_head % cfg.tp:
+            errors.append(f"--n-head {cfg.n_head} is not divisible by --tp {cfg.tp}")
+    elif cfg.tp > 1 and cfg.d_model % cfg.tp:
+        errors.append(f"--d-model {cfg.d_model} is not divisible by --tp {cfg.tp}")
+    if cfg.pp > cfg.n_units():
+        errors.append(f"--pp {cfg.pp} is more stages than the model's {cfg.n_units()} blocks "
+                      f"(embedding, {cfg.n_layer} layers and head count as blocks)")
+    return errors
+
+
+def validate(cfg: TrainConfig, world_size: int) -> list[str]:
+    """All the problems with this configuration for this world size, as one-line messages."""
+    errors = _positive(cfg) + _choices(cfg)
+    if errors:
+        return errors
+    return _layout(cfg.resolved(world_size), world_size)

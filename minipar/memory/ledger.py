@@ -1,0 +1,59 @@
+"""MemoryLedger: bytes held by this rank, by category and tier, current and peak.
+
+Categories follow the ZeRO paper's split of training memory: model states (params, grads, optimizer)
+and residual states (activations, buffers: temporary copies such as the parameters ZeRO-3 gathers for
+compute). Tiers are where the bytes live: device, cpu or disk (offload). Engines `set` what they hold;
+activations come live from the autograd engine's meter, so the peak is the true high-water mark of the
+step, not a sum of separate peaks. Lesson: lessons/04_zero.md.
+"""
+
+from __future__ import annotations
+
+from minipar import autograd
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+TIERS = ("device", "cpu", "disk")
+
+
+class MemoryLedger:
+    def __init__(self):
+        self.current = {(c, t): 0 for c in CATEGORIES for t in TIERS}
+        self.peak = dict(self.current)
+        self.device_peak = 0
+        autograd.activation_meter.on_change = self._activations_changed
+
+    def set(self, category: str, nbytes: int, tier: str = "device"):
+        """Record that this rank now holds `nbytes` of `category` in `tier`."""
+        key = (category, tier)
+        self.current[key] = int(nbytes)
+        self.peak[key] = max(self.peak[key], self.current[key])
+        self.device_peak = max(self.device_peak, self.device_total())
+
+    def add(self, category: str, nbytes: int, tier: str = "device"):
+        self.set(category, self.current[(category, tier)] + nbytes, tier)
+
+    def _activations_changed(self, nbytes: int):
+        self.set("activations", nbytes)
+
+    def device_total(self) -> int:
+        return sum(v for (_, tier), v in self.current.items() if tier == "device")
+
+    def reset_peaks(self):
+        """Start a new window (a step): peaks restart from what is held now."""
+        self.peak = dict(self.current)
+        self.device_peak = self.device_total()
+
+    def report(self) -> dict:
+        """The `mem` object of the train log: this rank's bytes for the window since reset_peaks."""
+        def total(category, table):
+            return sum(table[(category, t)] for t in TIERS)
+
+        return {
+            "params": total("params", self.current),
+            "grads": total("grads", self.peak),
+            "optimizer": total("optimizer", self.current),
+            "activations_peak": self.peak[("activations", "device")],
+            "buffers_peak": total("buffers", self.peak),
+            "device_peak": self.device_peak,
+            "by_tier": {t: sum(self.current[(c, t)] for c in CATEGORIES) for t in TIERS},
+        }

@@ -1,0 +1,363 @@
+"""Modules: Module, Linear, Embedding, LayerNorm, MLP, CausalSelfAttention, Block, GPT, MLPNet.
+
+Names and shapes follow PyTorch (Linear.weight is (out, in); `named_parameters`, `state_dict`,
+`zero_grad`). Two choices make every parallel layout train the same model:
+- Initial weights depend only on (seed, parameter name): each parameter is drawn on its full shape from
+  a generator seeded by both, then cut to the shard this rank holds (`Parameter.shard`).
+- Models expose `units()`: the blocks in execution order (embedding, transformer blocks, head), which
+  pipeline parallelism partitions into stages, and `loss()`, applied after the last unit.
+Lesson: lessons/01_autograd.md.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from minipar import functional as F
+from minipar.autograd import Tensor
+from minipar.backend import current as current_backend
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank holds [start, stop) of the full tensor along `axis`; rows past the end are padding."""
+
+    full_shape: tuple
+    axis: int
+    start: int
+    stop: int
+
+
+class Parameter(Tensor):
+    """A leaf tensor that requires grad, with the rule that initialises it and the shard it holds."""
+
+    def __init__(self, shape, init=("zeros",), dtype="float64", shard: Shard | None = None):
+        super().__init__(current_backend().xp.zeros(shape, dtype=dtype), requires_grad=True)
+        self.init = init
+        self.shard = shard
+
+    @property
+    def full_shape(self):
+        return self.shard.full_shape if self.shard else self.shape
+
+
+def initial_value(seed: int, name: str, full_shape, init) -> np.ndarray:
+    """The full-shape initial value of parameter `name`: the same in every layout."""
+    kind = init[0]
+    if kind == "zeros":
+        return np.zeros(full_shape)
+    if kind == "ones":
+        return np.ones(full_shape)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return rng.standard_normal(full_shape) * init[1]
+
+
+def shard_of(full: np.ndarray, shard: Shard | None) -> np.ndarray:
+    """Cut this rank's shard from a full tensor, padding with zeros past the end."""
+    if shard is None:
+        return full
+    pad = max(0, shard.stop - full.shape[shard.axis])
+    if pad:
+        widths = [(0, 0)] * full.ndim
+        widths[shard.axis] = (0, pad)
+        full = np.pad(full, widths)
+    index = [slice(None)] * full.ndim
+    index[shard.axis] = slice(shard.start, shard.stop)
+    return full[tuple(index)]
+
+
+class Module:
+    """Holds parameters and submodules in attribute order, like torch.nn.Module."""
+
+    def __init__(self):
+        object.__setattr__(self, "_children", {})
+        object.__setattr__(self, "_params", {})
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, name, value):
+        if isinstance(value, Parameter):
+            self._params[name] = value
+        elif isinstance(value, Module):
+            self._children[name] = value
+        object.__setattr__(self, name, value)
+
+    def add_module(self, name: str, module: Module):
+        """Register a child under any name, dotted ones included ("blocks.3" in a pipeline stage)."""
+        self._children[name] = module
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def named_parameters(self, prefix: str = ""):
+        for name, p in self._params.items():
+            yield prefix + name, p
+        for name, child in self._children.items():
+            yield from child.named_parameters(prefix + name + ".")
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def modules(self):
+        yield self
+        for child in self._children.values():
+            yield from child.modules()
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.grad = None
+
+    def train(self, mode: bool = True):
+        for m in self.modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def state_dict(self) -> dict:
+        return {name: p.data.copy() for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: dict):
+        params = dict(self.named_parameters())
+        missing = set(params) - set(state)
+        unexpected = set(state) - set(params)
+        if missing or unexpected:
+            raise KeyError(f"state_dict mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        for name, p in params.items():
+            if state[name].shape != p.shape:
+                raise ValueError(f"{name}: shape {state[name].shape} does not match {p.shape}")
+            p.data[...] = state[name]
+
+    def init_parameters(self, seed: int, prefix: str = ""):
+        """Draw every parameter from (seed, full name), on its full shape, then cut its shard."""
+        backend = current_backend()
+        for name, p in self.named_parameters(prefix):
+            full = initial_value(seed, name, p.full_shape, p.init)
+            p.data[...] = backend.from_host(shard_of(full, p.shard).astype(p.dtype))
+        return self
+
+
+class ModuleList(Module):
+    def __init__(self, modules):
+        super().__init__()
+        for i, m in enumerate(modules):
+            self.add_module(str(i), m)
+
+    def __iter__(self):
+        return iter(self._children.values())
+
+    def __len__(self):
+        return len(self._children)
+
+    def __getitem__(self, i):
+        return list(self._children.values())[i]
+
+
+class Linear(Module):
+    def __init__(self, in_features, out_features, bias=True, std=0.02, dtype="float64"):
+        super().__init__()
+        self.weight = Parameter((out_features, in_features), ("normal", std), dtype)
+        self.bias = Parameter((out_features,), ("zeros",), dtype) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(Module):
+    def __init__(self, num_embeddings, embedding_dim, std=0.02, dtype="float64"):
+        super().__init__()
+        self.weight = Parameter((num_embeddings, embedding_dim), ("normal", std), dtype)
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight)
+
+
+class LayerNorm(Module):
+    def __init__(self, dim, eps=1e-5, dtype="float64"):
+        super().__init__()
+        self.weight = Parameter((dim,), ("ones",), dtype)
+        self.bias = Parameter((dim,), ("zeros",), dtype)
+        self.eps = eps
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 13
+    block_size: int = 32
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 64
+    dtype: str = "float64"
+
+    @property
+    def residual_std(self) -> float:
+        """GPT-2 scales the projections into the residual stream by 1/sqrt(2 n_layer)."""
+        return 0.02 / math.sqrt(2 * self.n_layer)
+
+
+def causal_attention(q, k, v, n_head: int):
+    """Scaled dot-product attention with a causal mask; q, k, v are (B, T, n_head * head_dim)."""
+    B, T, C = q.shape
+    hd = C // n_head
+
+    def heads(t):
+        return t.reshape(B, T, n_head, hd).transpose(0, 2, 1, 3)
+
+    q, k, v = heads(q), heads(k), heads(v)
+    xp = current_backend().xp
+    mask = xp.triu(xp.full((T, T), -xp.inf, dtype=q.dtype), k=1)
+    scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hd)) + mask
+    y = F.softmax(scores, axis=-1) @ v
+    return y.transpose(0, 2, 1, 3).reshape(B, T, C)
+
+
+class CausalSelfAttention(Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.n_head = cfg.n_head
+        self.query = Linear(d, d, dtype=cfg.dtype)
+        self.key = Linear(d, d, dtype=cfg.dtype)
+        self.value = Linear(d, d, dtype=cfg.dtype)
+        self.proj = Linear(d, d, std=cfg.residual_std, dtype=cfg.dtype)
+
+    def forward(self, x):
+        y = causal_attention(self.query(x), self.key(x), self.value(x), self.n_head)
+        return self.proj(y)
+
+
+class MLP(Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = Linear(cfg.d_model, 4 * cfg.d_model, dtype=cfg.dtype)
+        self.proj = Linear(4 * cfg.d_model, cfg.d_model, std=cfg.residual_std, dtype=cfg.dtype)
+        self.activation = F.gelu  # `train --fused` swaps in the fused-kernel GELU
+
+    def forward(self, x):
+        return self.proj(self.activation(self.fc(x)))
+
+
+class Block(Module):
+    """A pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig, attn: Module | None = None, mlp: Module | None = None):
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.d_model, dtype=cfg.dtype)
+        self.attn = attn or CausalSelfAttention(cfg)
+        self.ln_2 = LayerNorm(cfg.d_model, dtype=cfg.dtype)
+        self.mlp = mlp or MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPTEmbedding(Module):
+    """Token plus position embeddings: the first pipeline unit."""
+
+    def __init__(self, cfg: GPTConfig, wte: Module | None = None):
+        super().__init__()
+        self.wte = wte or Embedding(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype)
+        self.wpe = Embedding(cfg.block_size, cfg.d_model, dtype=cfg.dtype)
+
+    def forward(self, ids):
+        positions = current_backend().xp.arange(ids.shape[1])
+        return self.wte(ids) + self.wpe(positions)
+
+
+class GPTHead(Module):
+    """Final LayerNorm and the output projection to logits: the last pipeline unit."""
+
+    def __init__(self, cfg: GPTConfig, lm_head: Module | None = None):
+        super().__init__()
+        self.ln_f = LayerNorm(cfg.d_model, dtype=cfg.dtype)
+        self.lm_head = lm_head or Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=cfg.dtype)
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT(Module):
+    """A GPT-2 style decoder (untied input and output embeddings, so pipeline stages stay separate)."""
+
+    def __init__(self, cfg: GPTConfig, seed: int | None = 0):
+        super().__init__()
+        self.config = cfg
+        self.embed = GPTEmbedding(cfg)
+        self.blocks = ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.head = GPTHead(cfg)
+        if seed is not None:
+            self.init_parameters(seed)
+
+    def units(self):
+        return [("embed", self.embed)] + [(f"blocks.{i}", b) for i, b in enumerate(self.blocks)] + [
+            ("head", self.head)
+        ]
+
+    def forward(self, ids):
+        x = ids
+        for _, unit in self.units():
+            x = unit(x)
+        return x
+
+    @staticmethod
+    def loss(logits, targets, normaliser: int):
+        """Summed token cross-entropy divided by the global token count (the same in every layout)."""
+        V = logits.shape[-1]
+        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), "sum") * (1.0 / normaliser)
+
+
+@dataclass
+class MLPConfig:
+    d_in: int = 16
+    d_hidden: int = 64
+    d_out: int = 4
+    n_layer: int = 4
+    dtype: str = "float64"
+
+
+class DenseLayer(Module):
+    """Linear followed by GELU (or nothing, for the output layer): one pipeline unit of MLPNet."""
+
+    def __init__(self, d_in, d_out, activate: bool, dtype):
+        super().__init__()
+        self.linear = Linear(d_in, d_out, std=1.0 / math.sqrt(d_in), dtype=dtype)
+        self.activate = activate
+
+    def forward(self, x):
+        y = self.linear(x)
+        return F.gelu(y) if self.activate else y
+
+
+class MLPNet(Module):
+    """A stack of dense layers trained by regression: the small model for quick experiments."""
+
+    def __init__(self, cfg: MLPConfig, seed: int | None = 0):
+        super().__init__()
+        self.config = cfg
+        widths = [cfg.d_in] + [cfg.d_hidden] * (cfg.n_layer - 1) + [cfg.d_out]
+        self.layers = ModuleList(
+            [DenseLayer(a, b, i < cfg.n_layer - 1, cfg.dtype) for i, (a, b) in enumerate(zip(widths, widths[1:]))]
+        )
+        if seed is not None:
+            self.init_parameters(seed)
+
+    def units(self):
+        return [(f"layers.{i}", layer) for i, layer in enumerate(self.layers)]
+
+    def forward(self, x):
+        for _, unit in self.units():
+            x = unit(x)
+        return x
+
+    @staticmethod
+    def loss(prediction, targets, normaliser: int):
+        """Summed squared error divided by the global number of samples."""
+        return F.mse_loss(prediction, targets, "sum") * (1.0 / normaliser)

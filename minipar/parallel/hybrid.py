@@ -1,0 +1,48 @@
+"""Build the engine of one rank for any layout: TP inside a stage, PP across stages, DP (or ZeRO)
+across replicas of the pipeline.
+
+The process grid (comm.ProcessGrid) puts tp fastest-varying, so tensor-parallel ranks are neighbours
+("TP inside a node"), then pp, then dp. Each technique contributes one part of the engine:
+tensor.py the layers of the model, pipeline.py which units a stage keeps and how micro-batches flow,
+data.py / zero.py how gradients are combined across replicas. Lesson: lessons/07_3d.md.
+"""
+
+from __future__ import annotations
+
+from minipar import optim
+from minipar.data import AdditionTask
+from minipar.engine import Engine, LocalUpdater, MicrobatchRunner
+from minipar.nn import GPT, GPTConfig, MLPConfig, MLPNet
+
+
+def model_config(cfg):
+    if cfg.model == "gpt":
+        return GPTConfig(vocab_size=AdditionTask.vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
+                         n_head=cfg.n_head, d_model=cfg.d_model, dtype=cfg.dtype)
+    return MLPConfig(d_hidden=cfg.d_model, n_layer=cfg.n_layer, dtype=cfg.dtype)
+
+
+def build_model(cfg, grid):
+    """The parameters this rank holds, initialised from (seed, name) whatever the layout."""
+    mcfg = model_config(cfg)
+    model = GPT(mcfg, seed=None) if cfg.model == "gpt" else MLPNet(mcfg, seed=None)
+    return model.init_parameters(cfg.seed)
+
+
+def build_optimizer(cfg, params):
+    if cfg.optimizer == "sgd":
+        return optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    return optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def build_runner(cfg, grid, model):
+    return MicrobatchRunner(model, cfg.microbatches)
+
+
+def build_updater(cfg, grid, model):
+    return LocalUpdater(model, build_optimizer(cfg, model.parameters()))
+
+
+def build_engine(cfg, grid) -> Engine:
+    model = build_model(cfg, grid)
+    return Engine(cfg, grid, model, build_runner(cfg, grid, model), build_updater(cfg, grid, model))

@@ -1,0 +1,157 @@
+"""The training loop: TrainConfig -> engine for this rank's layout -> steps -> JSON-lines log.
+
+Every rank runs this same loop on the same global batch (a pure function of seed and step); the
+engine decides what share of the work this rank does. Rank 0 writes one JSON object per step (loss,
+tokens/s, its own memory and communication for that step) and prints progress and a summary.
+Lesson: lessons/00_overview.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+from minipar import backend
+from minipar.comm import Comm, ProcessGrid
+from minipar.config import TrainConfig
+from minipar.data import AdditionTask, RegressionTask
+from minipar.engine import assemble_full_state, local_state
+from minipar.memory.ledger import MemoryLedger
+from minipar.parallel import hybrid
+
+
+def make_task(cfg: TrainConfig):
+    if cfg.model == "gpt":
+        return AdditionTask(cfg.seq_len, cfg.seed)
+    mcfg = hybrid.model_config(cfg)
+    return RegressionTask(mcfg.d_in, mcfg.d_out, cfg.seed)
+
+
+class Trainer:
+    """Owns the engine, the ledgers and the log for one rank."""
+
+    def __init__(self, cfg: TrainConfig, world):
+        backend.set_backend(cfg.backend)
+        self.cfg = cfg
+        self.world = Comm(world)
+        self.grid = ProcessGrid(self.world, cfg.dp, cfg.pp, cfg.tp)
+        self.memory = MemoryLedger()
+        self.engine = hybrid.build_engine(cfg, self.grid)
+        self.task = make_task(cfg)
+        self.start_step = 0
+        self.records = []
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.world.rank == 0
+
+    def step(self, step: int) -> dict:
+        cfg, traffic = self.cfg, self.world.ledger
+        inputs, targets = self.task.global_batch(step, cfg.batch_size)
+        traffic.start_step()
+        self.memory.reset_peaks()
+        backend.current().sync()
+        started = time.perf_counter()
+        loss = self.engine.train_step(inputs, targets)
+        backend.current().sync()
+        elapsed = time.perf_counter() - started
+        for category, nbytes in self.engine.updater.memory().items():
+            self.memory.set(category, nbytes)
+        return {
+            "step": step,
+            "loss": float(loss),
+            "tokens_per_s": float(targets.size / elapsed) if cfg.model == "gpt" else float(len(targets) / elapsed),
+            "time_s": elapsed,
+            "mem": self.memory.report(),
+            "comm": traffic.step_report(),
+        }
+
+    def run(self) -> list[dict]:
+        log = open(self.cfg.log, "a" if self.cfg.resume else "w") if self.cfg.log and self.is_rank0 else None
+        try:
+            for step in range(self.start_step, self.cfg.steps):
+                record = self.step(step)
+                self.records.append(record)
+                if log:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                self.progress(record)
+        finally:
+            if log:
+                log.close()
+        return self.records
+
+    def progress(self, record: dict):
+        every = max(1, self.cfg.steps // 10)
+        if self.is_rank0 and not self.cfg.quiet and (record["step"] % every == 0 or record["step"] == self.cfg.steps - 1):
+            print(f"step {record['step']:4d}  loss {record['loss']:.4f}  "
+                  f"{record['tokens_per_s']:9.0f} tokens/s  sent {record['comm']['sent_bytes']:>10d} B",
+                  flush=True)
+
+    def full_state(self) -> dict | None:
+        """Every logical parameter reassembled from the shards on all ranks (on rank 0; None elsewhere)."""
+        pieces = self.world.gather_obj(self.engine_local_state(), root=0)
+        return assemble_full_state(pieces) if self.is_rank0 else None
+
+    def engine_local_state(self) -> dict:
+        full_params = getattr(self.engine.updater, "local_state", None)
+        return full_params() if full_params else local_state(self.engine.model)
+
+
+def reference_run(cfg: TrainConfig):
+    """The single-process run of the same steps: losses and final weights, computed on this rank."""
+    from mpi4py import MPI
+
+    ref_cfg = cfg.replace(dp=1, tp=1, pp=1, zero=0, microbatches=1, offload="none", log=None, save=None,
+                          resume=None, quiet=True, check_reference=False)
+    trainer = Trainer(ref_cfg, MPI.COMM_SELF)
+    records = trainer.run()
+    return [r["loss"] for r in records], dict(local_state(trainer.engine.model))
+
+
+def compare_with_reference(cfg: TrainConfig, records: list[dict], full: dict) -> dict:
+    losses, ref_state = reference_run(cfg)
+    loss_dev = max(abs(r["loss"] - l) / max(abs(l), 1e-30) for r, l in zip(records, losses))
+    weight_dev = max(
+        float(np.max(np.abs(full[name] - ref) / np.maximum(np.abs(ref), 1e-12))) if ref.size else 0.0
+        for name, (_, ref) in ref_state.items()
+    )
+    return {"max_rel_loss_deviation": loss_dev, "max_rel_weight_deviation": weight_dev}
+
+
+def summary(cfg: TrainConfig, trainer: Trainer, check: dict | None) -> str:
+    records = trainer.records
+    last = records[-1]
+    mem = last["mem"]
+    rate = np.median([r["tokens_per_s"] for r in records])
+    lines = [
+        "",
+        f"layout  dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero} precision={cfg.precision} "
+        f"microbatches={cfg.microbatches}",
+        f"loss    first {records[0]['loss']:.4f}  last {last['loss']:.4f}",
+        f"speed   {rate:.0f} tokens/s (median over steps)",
+        "memory (rank 0, bytes)  " + "  ".join(f"{k} {mem[k]}" for k in
+                                              ("params", "grads", "optimizer", "activations_peak", "device_peak")),
+        f"comm per step (rank 0)  sent {last['comm']['sent_bytes']} B  by op {last['comm']['by_op']}  "
+        f"by dim {last['comm'].get('by_dim', {})}",
+    ]
+    if check:
+        lines.append(f"check   max relative deviation from single-process: loss {check['max_rel_loss_deviation']:.2e}"
+                     f"  weights {check['max_rel_weight_deviation']:.2e}")
+    return "\n".join(lines)
+
+
+def train(cfg: TrainConfig, world=None) -> list[dict]:
+    """Train under `world` (default COMM_WORLD) and return rank 0's records (other ranks: their own)."""
+    from mpi4py import MPI
+
+    trainer = Trainer(cfg, world or MPI.COMM_WORLD)
+    records = trainer.run()
+    full = trainer.full_state() if cfg.check_reference else None
+    check = compare_with_reference(cfg, records, full) if trainer.is_rank0 and cfg.check_reference else None
+    if trainer.is_rank0 and not cfg.quiet and records:
+        print(summary(cfg, trainer, check), file=sys.stdout, flush=True)
+    return records
