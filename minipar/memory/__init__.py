@@ -1,0 +1,1 @@
+"""Memory: where training bytes live, counted (ledger), predicted (planner), moved (chunks, offload)."""
