@@ -1,0 +1,124 @@
+"""`python -m minipar bench NAME`: measured figures for the lessons, as medians and ratios.
+
+Benchmarks live next to what they measure; this file is the registry and the autograd benchmark:
+one training step of an MLP through minipar's autograd against the same MLP's forward and backward
+written by hand in NumPy (the overhead of recording a graph), and one step of the default GPT.
+Times are medians of repeated runs; ratios are measured in one run, since machines are noisy.
+Lesson: lessons/01_autograd.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+
+import numpy as np
+
+from minipar import functional as F
+from minipar import nn, optim
+from minipar.data import AdditionTask
+
+BENCHES = {
+    "autograd": "minipar.bench:autograd_main",
+    "dp": "minipar.parallel.data_bench:main",
+    "fusion": "minipar.fusion.bench:main",
+    "precision": "minipar.precision_bench:main",
+    "gpu": "minipar.gpu_bench:main",
+}
+QUICK = ("autograd", "dp", "fusion", "precision")  # what `bench all` runs (gpu needs a GPU)
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up: first-touch allocations and caches
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
+
+
+def hand_written_mlp_step(weights, x, y):
+    """Forward and backward of Linear-GELU-...-Linear with a summed squared error, by hand."""
+    activations, pre = [x], []
+    h = x
+    for i, (w, b) in enumerate(weights):
+        z = h @ w.T + b
+        pre.append(z)
+        h = F.gelu_forward(z) if i < len(weights) - 1 else z
+        activations.append(h)
+    g = 2.0 * (h - y)
+    grads = []
+    for i in reversed(range(len(weights))):
+        if i < len(weights) - 1:
+            g = F.gelu_backward(pre[i], g)
+        grads.append((g.T @ activations[i], g.sum(axis=0)))
+        g = g @ weights[i][0]
+    return grads
+
+
+def autograd_figures(batch: int, width: int, layers: int, repeats: int) -> dict:
+    cfg = nn.MLPConfig(d_in=width, d_hidden=width, d_out=width, n_layer=layers)
+    model = nn.MLPNet(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((batch, width)), rng.standard_normal((batch, width))
+    weights = [(layer.linear.weight.data, layer.linear.bias.data) for layer in model.layers]
+
+    def minipar_step():
+        model.zero_grad()
+        F.mse_loss(model(x), y, "sum").backward()
+
+    gpt = nn.GPT(nn.GPTConfig(), seed=0)
+    opt = optim.AdamW(gpt.parameters(), lr=1e-3)
+    tokens, targets = AdditionTask(32, 0).global_batch(0, 16)
+
+    def gpt_step():
+        opt.zero_grad()
+        gpt.loss(gpt(tokens), targets, targets.size).backward()
+        opt.step()
+
+    hand = median_time(lambda: hand_written_mlp_step(weights, x, y), repeats)
+    mine = median_time(minipar_step, repeats)
+    return {
+        "mlp": {"batch": batch, "width": width, "layers": layers},
+        "hand_numpy_s": hand,
+        "minipar_s": mine,
+        "overhead_ratio": mine / hand,
+        "gpt_step_s": median_time(gpt_step, max(3, repeats // 4)),
+    }
+
+
+def autograd_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="minipar bench autograd")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    r = autograd_figures(args.batch, args.width, args.layers, args.repeats)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    print(f"MLP {args.layers} x {args.width}, batch {args.batch}, fp64, forward+backward, median of {args.repeats}")
+    print(f"  hand-written NumPy   {r['hand_numpy_s'] * 1e3:8.2f} ms")
+    print(f"  minipar autograd     {r['minipar_s'] * 1e3:8.2f} ms")
+    print(f"  overhead ratio       {r['overhead_ratio']:8.3f}x")
+    print(f"GPT (default config) training step: {r['gpt_step_s'] * 1e3:.1f} ms")
+    return 0
+
+
+def main(argv) -> int:
+    if not argv or argv[0] not in (*BENCHES, "all"):
+        print(f"minipar bench: error: choose one of {', '.join(BENCHES)}, all")
+        return 2
+    names = QUICK if argv[0] == "all" else (argv[0],)
+    for name in names:
+        module, function = BENCHES[name].split(":")
+        print(f"== bench {name}", flush=True)
+        code = getattr(importlib.import_module(module), function)(argv[1:])
+        if code:
+            return code
+    return 0
