@@ -148,7 +148,9 @@ def train(cfg: TrainConfig, world=None) -> list[dict]:
     """Train under `world` (default COMM_WORLD) and return rank 0's records (other ranks: their own)."""
     from mpi4py import MPI
 
-    trainer = Trainer(cfg, world or MPI.COMM_WORLD)
+    world = world or MPI.COMM_WORLD
+    cfg = cfg.resolved(world.Get_size())
+    trainer = Trainer(cfg, world)
     records = trainer.run()
     full = trainer.full_state() if cfg.check_reference else None
     check = compare_with_reference(cfg, records, full) if trainer.is_rank0 and cfg.check_reference else None
