@@ -13,6 +13,7 @@ from minipar import optim
 from minipar.data import AdditionTask
 from minipar.engine import Engine, LocalUpdater, MicrobatchRunner
 from minipar.nn import GPT, GPTConfig, MLPConfig, MLPNet
+from minipar.parallel.data import DistributedDataParallel
 
 
 def model_config(cfg):
@@ -40,6 +41,9 @@ def build_runner(cfg, grid, model):
 
 
 def build_updater(cfg, grid, model):
+    if cfg.zero == 0 and grid.dp.size > 1:
+        optimizer = build_optimizer(cfg, model.parameters())
+        return DistributedDataParallel(model, optimizer, grid.dp, cfg.bucket_mb)
     return LocalUpdater(model, build_optimizer(cfg, model.parameters()))
 
 
