@@ -193,6 +193,15 @@ class Comm:
         self.mpi.Send(buffer, dest=dest, tag=tag)
         self.ledger.charge(self.name, "send", buffer.nbytes)
 
+    def isend(self, x, dest: int, tag: int = 0):
+        """Non-blocking send of x to rank dest, charged like send; returns the MPI request to Wait() on.
+
+        A pipeline needs it: two neighbours that both block in a large Send would wait for each other."""
+        buffer = _host(x)
+        request = self.mpi.Isend(buffer, dest=dest, tag=tag)  # the request keeps the buffer alive
+        self.ledger.charge(self.name, "send", buffer.nbytes)
+        return request
+
     def recv(self, shape, dtype, source: int, tag: int = 0):
         """Blocking receive of an array of the given shape and dtype from rank source."""
         buffer = numpy.empty(shape, dtype)

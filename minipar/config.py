@@ -109,8 +109,11 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
     elif cfg.tp > 1 and cfg.d_model % cfg.tp:
         errors.append(f"--d-model {cfg.d_model} is not divisible by --tp {cfg.tp}")
     if cfg.pp > cfg.n_units():
-        errors.append(f"--pp {cfg.pp} is more stages than the model's {cfg.n_units()} blocks "
-                      f"(embedding, {cfg.n_layer} layers and head count as blocks)")
+        blocks = f"{cfg.n_layer} layers"
+        if cfg.model == "gpt":
+            blocks = f"embedding, {blocks} and head"
+        errors.append(f"--pp {cfg.pp} is more stages than the model's {cfg.n_units()} blocks ({blocks}); "
+                      "each stage needs at least one")
     return errors
 
 

@@ -60,7 +60,7 @@ class Trainer:
         elapsed = time.perf_counter() - started
         for category, nbytes in self.engine.updater.memory().items():
             self.memory.set(category, nbytes)
-        return {
+        record = {
             "step": step,
             "loss": float(loss),
             "tokens_per_s": float(targets.size / elapsed) if cfg.model == "gpt" else float(len(targets) / elapsed),
@@ -68,6 +68,10 @@ class Trainer:
             "mem": self.memory.report(),
             "comm": traffic.step_report(),
         }
+        pipeline_timing = getattr(self.engine.runner, "last_timing", None)
+        if pipeline_timing:  # measured busy/idle time of the stages and the bubble (pipeline.py)
+            record["pipeline"] = pipeline_timing
+        return record
 
     def run(self) -> list[dict]:
         log = open(self.cfg.log, "a" if self.cfg.resume else "w") if self.cfg.log and self.is_rank0 else None

@@ -13,6 +13,7 @@ from minipar import optim
 from minipar.data import AdditionTask
 from minipar.engine import Engine, LocalUpdater, MicrobatchRunner
 from minipar.nn import GPT, GPTConfig, MLPConfig, MLPNet
+from minipar.parallel import pipeline
 from minipar.parallel.data import DistributedDataParallel
 
 
@@ -27,6 +28,8 @@ def build_model(cfg, grid):
     """The parameters this rank holds, initialised from (seed, name) whatever the layout."""
     mcfg = model_config(cfg)
     model = GPT(mcfg, seed=None) if cfg.model == "gpt" else MLPNet(mcfg, seed=None)
+    if cfg.pp > 1:  # keep this stage's units only, under their global names
+        model = pipeline.build_stage(model, grid.pp.size, grid.pp_rank)
     return model.init_parameters(cfg.seed)
 
 
@@ -37,6 +40,8 @@ def build_optimizer(cfg, params):
 
 
 def build_runner(cfg, grid, model):
+    if cfg.pp > 1:
+        return pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model, cfg.dtype)
     return MicrobatchRunner(model, cfg.microbatches)
 
 
