@@ -226,7 +226,7 @@ class Max(Function):
     @staticmethod
     def backward(ctx, g):
         (mask,) = ctx.saved
-        share = mask / mask.sum(axis=ctx.axis, keepdims=True)
+        share = (mask / mask.sum(axis=ctx.axis, keepdims=True)).astype(g.dtype)  # bool / int is float64
         return _expand_to(g, ctx.shape, ctx.axis, ctx.keepdims) * share, None, None
 
 
@@ -269,7 +269,8 @@ class Transpose(Function):
     def backward(ctx, g):
         if ctx.axes is None:
             return g.transpose(), None
-        return g.transpose(tuple(int(i) for i in xp_of(g).argsort(ctx.axes))), None
+        axes = [ax % g.ndim for ax in ctx.axes]  # -1 and ndim-1 name the same axis
+        return g.transpose(tuple(int(i) for i in xp_of(g).argsort(axes))), None
 
 
 class GetItem(Function):
