@@ -120,6 +120,9 @@ class Tensor:
                     continue
                 if _output_cast is not None:
                     pg = _output_cast(pg)
+                if parent.node is None:  # a leaf: accumulate now, as PyTorch's AccumulateGrad does, so
+                    parent.grad = pg if parent.grad is None else parent.grad + pg  # later hooks see it
+                    continue
                 grads[id(parent)] = pg if id(parent) not in grads else grads[id(parent)] + pg
 
     # Operators map onto minipar.functional (imported lazily: functional builds on this module).

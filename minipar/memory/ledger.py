@@ -4,7 +4,8 @@ Categories follow the ZeRO paper's split of training memory: model states (param
 and residual states (activations, buffers: temporary copies such as the parameters ZeRO-3 gathers for
 compute). Tiers are where the bytes live: device, cpu or disk (offload). Engines `set` what they hold;
 activations come live from the autograd engine's meter, so the peak is the true high-water mark of the
-step, not a sum of separate peaks. Lesson: lessons/04_zero.md.
+step, not a sum of separate peaks. Temporary buffers that come and go within a step (ZeRO-3's gathered
+parameters, a gradient bucket) come live the same way, from `buffer_meter`. Lesson: lessons/04_zero.md.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from minipar import autograd
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 TIERS = ("device", "cpu", "disk")
 
+# The same live counter as autograd's activation meter, for temporary buffers: an engine `add`s the
+# bytes when it allocates one and `release`s them when it drops it.
+buffer_meter = autograd.ActivationMeter()
+
 
 class MemoryLedger:
     def __init__(self):
@@ -21,6 +26,7 @@ class MemoryLedger:
         self.peak = dict(self.current)
         self.device_peak = 0
         autograd.activation_meter.on_change = self._activations_changed
+        buffer_meter.on_change = self._buffers_changed
 
     def set(self, category: str, nbytes: int, tier: str = "device"):
         """Record that this rank now holds `nbytes` of `category` in `tier`."""
@@ -34,6 +40,9 @@ class MemoryLedger:
 
     def _activations_changed(self, nbytes: int):
         self.set("activations", nbytes)
+
+    def _buffers_changed(self, nbytes: int):
+        self.set("buffers", nbytes)
 
     def device_total(self) -> int:
         return sum(v for (_, tier), v in self.current.items() if tier == "device")

@@ -15,6 +15,8 @@ from minipar.engine import Engine, LocalUpdater, MicrobatchRunner
 from minipar.nn import GPT, GPTConfig, MLPConfig, MLPNet
 from minipar.parallel import pipeline
 from minipar.parallel.data import DistributedDataParallel
+from minipar.parallel.zero import ZeroStage1, ZeroStage2
+from minipar.parallel.zero3 import ZeroStage3
 
 
 def model_config(cfg):
@@ -46,6 +48,9 @@ def build_runner(cfg, grid, model):
 
 
 def build_updater(cfg, grid, model):
+    if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
+        stage = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}[cfg.zero]
+        return stage(model, build_optimizer(cfg, []), grid.dp)
     if cfg.zero == 0 and grid.dp.size > 1:
         optimizer = build_optimizer(cfg, model.parameters())
         return DistributedDataParallel(model, optimizer, grid.dp, cfg.bucket_mb)

@@ -1,0 +1,200 @@
+"""ZeRO stages 1 and 2: data parallelism that partitions the model states instead of copying them.
+
+The idea (Rajbhandari et al., "ZeRO", 2020): N data-parallel ranks need not each keep every byte.
+Each unit of the model (`model.units()`: the embedding, a block, the head) keeps its parameters in
+one flat buffer, padded to a multiple of N and cut into N equal shards; rank r owns shard r.
+
+    stage 1  partitions the optimizer states. After backward the gradients are reduce-scattered, so
+             each rank gets the summed gradient of its own shard, updates that shard of the flat
+             parameters with its shard of Adam's moments, and the new shards are all-gathered.
+    stage 2  also partitions the gradients. A unit's gradients are reduce-scattered as soon as backward
+             is through with the unit, and only this rank's shard of them is kept.
+    stage 3  also partitions the parameters (zero3.py).
+
+What it saves: model-state bytes per rank, with Ψ parameters, p and g bytes per parameter and
+gradient and K bytes of optimizer state: (p+g+K)Ψ in DDP, (p+g)Ψ + KΨ/N at stage 1, pΨ + (g+K)Ψ/N
+at stage 2 (memory/planner.py has the formulas).
+What it costs: nothing extra on the wire: a reduce-scatter plus an all-gather is exactly what DDP's
+ring all-reduce sends, 2(N-1)/N·Ψ·bytes per step (with M micro-batches stage 2 reduce-scatters every
+micro-batch, as DeepSpeed does, since it keeps no full gradient to accumulate into).
+Lesson: lessons/04_zero.md.
+"""
+
+from __future__ import annotations
+
+from minipar import autograd
+from minipar.autograd import Function, Tensor
+from minipar.backend import xp_of
+from minipar.memory.ledger import buffer_meter
+from minipar.parallel.data import check_replicas_identical, unflatten
+
+
+def padded_numel(numel: int, parts: int) -> int:
+    """The smallest multiple of `parts` that holds `numel` elements: every shard the same size."""
+    return -(-numel // parts) * parts
+
+
+class FlatUnit:
+    """One unit's parameters seen as a flat buffer of `padded` elements, of which this rank owns
+    [start, stop). The padding past `numel` stays zero: zero gradients leave it zero under Adam and SGD."""
+
+    def __init__(self, module, named_params: list, comm):
+        self.module = module
+        self.names = [name for name, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.shapes = [p.shape for p in self.params]
+        self.dtype = self.params[0].dtype
+        self.xp = xp_of(self.params[0].data)
+        self.numel = sum(p.size for p in self.params)
+        self.padded = padded_numel(self.numel, comm.size)
+        shard = self.padded // comm.size
+        self.start, self.stop = comm.rank * shard, (comm.rank + 1) * shard
+        self.shard_numel = shard
+
+    def flatten(self, arrays):
+        """The arrays one after another in a new zero-padded flat buffer (None counts as zeros)."""
+        flat = self.xp.zeros(self.padded, dtype=self.dtype)
+        for view, a in zip(unflatten(flat, self.shapes), arrays):
+            if a is not None:
+                view[...] = a
+        return flat
+
+    def grads_nbytes(self) -> int:
+        return sum(p.grad.nbytes for p in self.params if p.grad is not None)
+
+    def has_grads(self) -> bool:
+        return any(p.grad is not None for p in self.params)
+
+    def point_params_at(self, flat):
+        """Make every parameter's data a view into `flat`, so the model computes with its values."""
+        for p, view in zip(self.params, unflatten(flat, self.shapes)):
+            p.data = view
+
+
+class BackwardHook(Function):
+    """Identity in forward; calls `hook()` when the gradient passes back through, in backward."""
+
+    @staticmethod
+    def forward(ctx, x, hook):
+        ctx.hook = hook
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hook()
+        return grad, None
+
+
+def after_backward_of(module, hook):
+    """Run `hook()` each time backward has gone through all of `module`'s operations.
+
+    A hook on the module's input fires after everything computed from that input, and so after
+    every gradient of the module's parameters (autograd accumulates a leaf's gradient at once). The
+    first unit's input (token ids) carries no gradient, so no hook fires there: the step catches it.
+    """
+    forward = module.forward
+
+    def forward_with_hook(x, *args, **kwargs):
+        if isinstance(x, Tensor) and x.requires_grad:
+            x = BackwardHook.apply(x, hook)
+        return forward(x, *args, **kwargs)
+
+    module.forward = forward_with_hook
+
+
+class ZeroStage1:
+    """Updater: optimizer states partitioned; full gradients reduce-scattered at the step."""
+
+    def __init__(self, model, optimizer, comm):
+        check_replicas_identical(model, comm)
+        self.model, self.optimizer, self.comm = model, optimizer, comm
+        self.units = units_of(model, comm)
+        for unit in self.units:
+            unit.flat = unit.flatten([p.data for p in unit.params])
+            unit.point_params_at(unit.flat)
+            unit.param_shard = unit.flat[unit.start : unit.stop]  # a view: updating it updates the model
+            unit.state = optimizer.init_state(unit.shard_numel, unit.dtype, unit.xp)
+
+    def step(self):
+        for unit in self.units:
+            bucket = unit.flatten([p.grad for p in unit.params])
+            buffer_meter.add(bucket.nbytes)
+            grad_shard = self.comm.reduce_scatter(bucket)
+            buffer_meter.release(bucket.nbytes)
+            del bucket
+            self.update(unit, grad_shard)
+            self.all_gather_params(unit)
+
+    def update(self, unit, grad_shard):
+        """The single-process update rule, on this rank's shard only: the same elementwise arithmetic."""
+        with autograd.no_grad():
+            self.optimizer.update(unit.param_shard, grad_shard, unit.state)
+
+    def all_gather_params(self, unit):
+        gathered = self.comm.all_gather(unit.param_shard, numel=unit.padded)
+        buffer_meter.add(gathered.nbytes)
+        unit.flat[...] = gathered
+        buffer_meter.release(gathered.nbytes)
+
+    def memory(self) -> dict:
+        """Model-state bytes this rank holds after the step (temporary buffers go to `buffer_meter`)."""
+        optimizer = sum(a.nbytes for u in self.units for a in u.state.values() if hasattr(a, "nbytes"))
+        return {"params": self.params_bytes(), "grads": self.grads_bytes(), "optimizer": optimizer}
+
+    def params_bytes(self) -> int:
+        return sum(u.flat.nbytes for u in self.units)
+
+    def grads_bytes(self) -> int:
+        return sum(u.grads_nbytes() for u in self.units)
+
+
+class ZeroStage2(ZeroStage1):
+    """Updater: gradients partitioned too; each unit's are reduce-scattered as backward leaves it."""
+
+    def __init__(self, model, optimizer, comm):
+        super().__init__(model, optimizer, comm)
+        for unit in self.units:
+            unit.grad_shard = unit.xp.zeros(unit.shard_numel, dtype=unit.dtype)
+            self.hook_unit(unit.module, unit)
+
+    def hook_unit(self, module, unit):
+        after_backward_of(module, lambda: self.reduce_scatter_grads(unit))
+
+    def reduce_scatter_grads(self, unit):
+        """Add this rank's shard of the unit's summed gradients to its grad_shard; drop the full ones."""
+        nbytes = unit.grads_nbytes() + unit.padded * unit.dtype.itemsize
+        buffer_meter.add(nbytes)  # the unit's full gradients and their flat copy, until sent
+        bucket = unit.flatten([p.grad for p in unit.params])
+        for p in unit.params:
+            p.grad = None
+        unit.grad_shard += self.comm.reduce_scatter(bucket)
+        del bucket
+        buffer_meter.release(nbytes)
+
+    def step(self):
+        self.reduce_scatter_pending_grads()
+        for unit in self.units:
+            self.update(unit, unit.grad_shard)
+            self.all_gather_params(unit)
+            unit.grad_shard[...] = 0
+
+    def reduce_scatter_pending_grads(self):
+        """Units that no backward hook caught (the first one) still hold full gradients: send them now."""
+        for unit in self.units:
+            if unit.has_grads():
+                self.reduce_scatter_grads(unit)
+
+    def grads_bytes(self) -> int:
+        return sum(u.grad_shard.nbytes for u in self.units)
+
+
+def units_of(model, comm) -> list[FlatUnit]:
+    """A FlatUnit per unit of the model, in execution order; every parameter must be in one."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    units = [FlatUnit(module, [(names[id(p)], p) for p in module.parameters()], comm)
+             for _, module in model.units() if module.parameters()]
+    covered = {id(p) for unit in units for p in unit.params}
+    missing = [name for i, name in names.items() if i not in covered]
+    if missing:
+        raise ValueError(f"ZeRO shards parameters unit by unit, and {missing[0]} is in no unit of the model")
+    return units

@@ -1,0 +1,91 @@
+"""ZeRO stage 3: the parameters are partitioned too, and made whole one unit at a time.
+
+The idea: each rank keeps only its shard of every unit's flat parameters (zero.py explains the flat
+buffers and stages 1 and 2). Just before a unit's forward its parameters are all-gathered, and they
+are freed as soon as the forward is done. Backward gathers them again before the unit's backward
+operations (a hook on the unit's output) and, once backward is through the unit (a hook on its
+input), reduce-scatters the unit's gradients and frees the parameters again. The autograd Functions
+read a weight through `ctx.inputs` at backward time, never a copy, which is what makes freeing it in
+between possible. At most one unit is whole at a time: the memory ledger counts it as "buffers".
+
+What it saves: all model states shrink with N: (p+g+K)Ψ/N bytes per rank.
+What it costs: 1.5x DDP's communication. Each step gathers every unit's parameters twice (forward and
+backward) and reduce-scatters its gradients once: 3(N-1)/N·Ψ·bytes instead of 2(N-1)/N·Ψ·bytes.
+Lesson: lessons/04_zero.md.
+"""
+
+from __future__ import annotations
+
+from minipar.backend import current as current_backend
+from minipar.memory.ledger import buffer_meter
+from minipar.parallel.data import unflatten
+from minipar.parallel.zero import BackwardHook, ZeroStage2
+
+
+class ZeroStage3(ZeroStage2):
+    """Updater and model wrapper: parameters, gradients and optimizer states all partitioned."""
+
+    def __init__(self, model, optimizer, comm):
+        super().__init__(model, optimizer, comm)
+        for unit in self.units:
+            unit.param_shard = unit.param_shard.copy()  # this rank's shard outlives the full buffer
+            unit.freed = unit.xp.empty(0, dtype=unit.dtype)
+            buffer_meter.add(unit.flat.nbytes)  # the full parameters built here count as gathered ...
+            self.release_params(unit)  # ... and go at once
+
+    def hook_unit(self, module, unit):
+        super().hook_unit(module, unit)  # stage 2's: reduce-scatter the gradients as backward leaves
+        forward = module.forward
+
+        def forward_with_gathered_params(*args, **kwargs):
+            self.gather_params(unit)
+            output = forward(*args, **kwargs)
+            self.release_params(unit)
+            return BackwardHook.apply(output, lambda: self.gather_params(unit))  # backward needs them
+
+        module.forward = forward_with_gathered_params
+
+    def gather_params(self, unit):
+        """Make the unit's parameters whole: all-gather every rank's shard into a new flat buffer."""
+        if unit.flat is not None:
+            return  # still whole: the first unit between its backward and the step
+        unit.flat = self.comm.all_gather(unit.param_shard, numel=unit.padded)
+        buffer_meter.add(unit.flat.nbytes)
+        unit.point_params_at(unit.flat)
+
+    def release_params(self, unit):
+        """Drop the full parameters: each becomes an empty array (using one by mistake fails loudly)."""
+        if unit.flat is None:
+            return
+        buffer_meter.release(unit.flat.nbytes)
+        unit.flat = None
+        for p in unit.params:
+            p.data = unit.freed
+
+    def reduce_scatter_grads(self, unit):
+        super().reduce_scatter_grads(unit)
+        self.release_params(unit)
+
+    def step(self):
+        """Each rank updates its own shards; nothing is gathered until the next forward needs it."""
+        self.reduce_scatter_pending_grads()
+        for unit in self.units:
+            self.release_params(unit)
+            self.update(unit, unit.grad_shard)
+            unit.grad_shard[...] = 0
+
+    def params_bytes(self) -> int:
+        return sum(u.param_shard.nbytes for u in self.units)
+
+    def local_state(self) -> dict:
+        """{name: (tensor-parallel shard or None, full local array)} for Trainer.full_state.
+
+        A collective over the data-parallel ranks (each unit is all-gathered once): every rank calls it.
+        """
+        to_host = current_backend().to_host
+        state = {}
+        for unit in self.units:
+            flat = self.comm.all_gather(unit.param_shard, numel=unit.padded)
+            for name, p, view in zip(unit.names, unit.params, unflatten(flat, unit.shapes)):
+                state[name] = (p.shard, to_host(view).copy())
+        return state
