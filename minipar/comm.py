@@ -263,7 +263,7 @@ class ProcessGrid:
 
     def describe(self) -> str:
         """The grid as text: for each dp replica, a pp-by-tp table of world ranks."""
-        width = len(str(self.world.size - 1)) + 4
+        width = max(len(str(self.world.size - 1)), len(f"tp={self.tp_size - 1}")) + 2
         lines = [f"ProcessGrid dp={self.dp_size} pp={self.pp_size} tp={self.tp_size} "
                  f"({self.world.size} ranks; tp varies fastest, then pp, then dp)",
                  "world rank at each (dp, pp, tp):"]
