@@ -9,12 +9,11 @@ Lesson: lessons/00_overview.md.
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import numpy as np
 
-from minipar import backend
+from minipar import backend, report
 from minipar.comm import Comm, ProcessGrid
 from minipar.config import TrainConfig
 from minipar.data import AdditionTask, RegressionTask
@@ -40,6 +39,8 @@ class Trainer:
         self.grid = ProcessGrid(self.world, cfg.dp, cfg.pp, cfg.tp)
         self.memory = MemoryLedger()
         self.engine = hybrid.build_engine(cfg, self.grid)
+        if self.is_rank0 and not cfg.quiet and self.world.size > 1:
+            print(self.grid.describe(), flush=True)
         self.task = make_task(cfg)
         self.start_step = 0
         self.records = []
@@ -63,7 +64,7 @@ class Trainer:
         record = {
             "step": step,
             "loss": float(loss),
-            "tokens_per_s": float(targets.size / elapsed) if cfg.model == "gpt" else float(len(targets) / elapsed),
+            "tokens_per_s": float((targets.size if cfg.model == "gpt" else len(targets)) / elapsed),
             "time_s": elapsed,
             "mem": self.memory.report(),
             "comm": traffic.step_report(),
@@ -89,8 +90,8 @@ class Trainer:
         return self.records
 
     def progress(self, record: dict):
-        every = max(1, self.cfg.steps // 10)
-        if self.is_rank0 and not self.cfg.quiet and (record["step"] % every == 0 or record["step"] == self.cfg.steps - 1):
+        every, step = max(1, self.cfg.steps // 10), record["step"]
+        if self.is_rank0 and not self.cfg.quiet and (step % every == 0 or step == self.cfg.steps - 1):
             print(f"step {record['step']:4d}  loss {record['loss']:.4f}  "
                   f"{record['tokens_per_s']:9.0f} tokens/s  sent {record['comm']['sent_bytes']:>10d} B",
                   flush=True)
@@ -128,28 +129,6 @@ def compare_with_reference(cfg: TrainConfig, records: list[dict], full: dict) ->
     return {"max_rel_loss_deviation": loss_dev, "max_rel_weight_deviation": weight_dev}
 
 
-def summary(cfg: TrainConfig, trainer: Trainer, check: dict | None) -> str:
-    records = trainer.records
-    last = records[-1]
-    mem = last["mem"]
-    rate = np.median([r["tokens_per_s"] for r in records])
-    lines = [
-        "",
-        f"layout  dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero} precision={cfg.precision} "
-        f"microbatches={cfg.microbatches}",
-        f"loss    first {records[0]['loss']:.4f}  last {last['loss']:.4f}",
-        f"speed   {rate:.0f} tokens/s (median over steps)",
-        "memory (rank 0, bytes)  " + "  ".join(f"{k} {mem[k]}" for k in
-                                              ("params", "grads", "optimizer", "activations_peak", "device_peak")),
-        f"comm per step (rank 0)  sent {last['comm']['sent_bytes']} B  by op {last['comm']['by_op']}  "
-        f"by dim {last['comm'].get('by_dim', {})}",
-    ]
-    if check:
-        lines.append(f"check   max relative deviation from single-process: loss {check['max_rel_loss_deviation']:.2e}"
-                     f"  weights {check['max_rel_weight_deviation']:.2e}")
-    return "\n".join(lines)
-
-
 def train(cfg: TrainConfig, world=None) -> list[dict]:
     """Train under `world` (default COMM_WORLD) and return rank 0's records (other ranks: their own)."""
     from mpi4py import MPI
@@ -160,6 +139,8 @@ def train(cfg: TrainConfig, world=None) -> list[dict]:
     records = trainer.run()
     full = trainer.full_state() if cfg.check_reference else None
     check = compare_with_reference(cfg, records, full) if trainer.is_rank0 and cfg.check_reference else None
+    rank_rows = trainer.world.gather_obj({"rank": trainer.world.rank, "coords": trainer.grid.coords_of(
+        trainer.world.rank), "mem": records[-1]["mem"] if records else {}})
     if trainer.is_rank0 and not cfg.quiet and records:
-        print(summary(cfg, trainer, check), file=sys.stdout, flush=True)
+        print(report.summary(cfg, records, rank_rows, check), flush=True)
     return records

@@ -1,0 +1,66 @@
+"""The end-of-run summary that `minipar train` prints on rank 0.
+
+One table per question a reader asks of a parallel run: did it learn (loss first and last), how fast
+(tokens/s), what each rank held (memory by category), what each step cost on the wire (bytes by
+collective and by parallel dimension), how much the pipeline idled (bubble), and whether the layout
+trained the same model as one process (largest deviation). Lesson: lessons/07_3d.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations_peak", "buffers_peak", "device_peak")
+
+
+def rank_memory_table(rows: list[dict]) -> list[str]:
+    """rows: one per world rank, {"rank", "coords": (dp, pp, tp), "mem": {...}}."""
+    header = "  rank (dp,pp,tp) " + "".join(f"{c:>17}" for c in MEMORY_COLUMNS)
+    lines = ["memory per rank after the last step (bytes)", header]
+    for row in rows:
+        dp, pp, tp = row["coords"]
+        lines.append(f"  {row['rank']:4d} ({dp},{pp},{tp})   " +
+                     "".join(f"{row['mem'].get(c, 0):>17,}" for c in MEMORY_COLUMNS))
+    return lines
+
+
+def comm_table(comm: dict) -> list[str]:
+    lines = [f"communication per step, rank 0: {comm['sent_bytes']:,} bytes "
+             f"in {comm.get('messages', 0)} messages"]
+    by_op = {k: v for k, v in comm["by_op"].items() if v}
+    by_dim = {k: v for k, v in comm.get("by_dim", {}).items() if v}
+    lines.append("  by collective: " + (", ".join(f"{k} {v:,}" for k, v in sorted(by_op.items())) or "none"))
+    lines.append("  by dimension:  " + (", ".join(f"{k} {v:,}" for k, v in sorted(by_dim.items())) or "none"))
+    return lines
+
+
+def pipeline_line(records: list[dict]) -> list[str]:
+    timings = [r["pipeline"] for r in records[1:] if r.get("pipeline")] or \
+              [r["pipeline"] for r in records if r.get("pipeline")]
+    if not timings:
+        return []
+    measured = np.median([t.get("bubble_measured", np.nan) for t in timings])
+    formula = timings[-1].get("bubble_formula", float("nan"))
+    return [f"pipeline bubble: measured {measured:.3f} (median over steps), "
+            f"formula (K-1)/(M+K-1) = {formula:.3f}"]
+
+
+def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None) -> str:
+    last = records[-1]
+    rate = np.median([r["tokens_per_s"] for r in records[1:]] or [last["tokens_per_s"]])
+    unit = "tokens/s" if cfg.model == "gpt" else "samples/s"
+    lines = [
+        "",
+        f"layout: dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} zero={cfg.zero} precision={cfg.precision} "
+        f"microbatches={cfg.microbatches} schedule={cfg.schedule if cfg.pp > 1 else '-'}",
+        f"loss: first {records[0]['loss']:.4f}, last {last['loss']:.4f} over {len(records)} steps",
+        f"speed: {rate:,.0f} {unit} (median over steps after the first)",
+        *rank_memory_table(rank_rows),
+        *comm_table(last["comm"]),
+        *pipeline_line(records),
+    ]
+    if check:
+        lines.append("check against one process: largest relative deviation, "
+                     f"loss {check['max_rel_loss_deviation']:.1e}, "
+                     f"weights {check['max_rel_weight_deviation']:.1e}")
+    return "\n".join(lines)
