@@ -9,6 +9,7 @@ Lesson: lessons/00_overview.md.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -27,6 +28,15 @@ def make_task(cfg: TrainConfig):
         return AdditionTask(cfg.seq_len, cfg.seed)
     mcfg = hybrid.model_config(cfg)
     return RegressionTask(mcfg.d_in, mcfg.d_out, cfg.seed)
+
+
+def inject_fault(rank: int, step: int):
+    """Raise on the rank and at the step named by MINIPAR_FAULT=rank:R,step:S (tests that a job aborts)."""
+    spec = os.environ.get("MINIPAR_FAULT")
+    if spec:
+        fault = {key: int(value) for key, value in (part.split(":") for part in spec.split(","))}
+        if fault["rank"] == rank and fault["step"] == step:
+            raise RuntimeError(f"injected fault on rank {rank} at step {step} (MINIPAR_FAULT={spec})")
 
 
 class Trainer:
@@ -50,6 +60,7 @@ class Trainer:
         return self.world.rank == 0
 
     def step(self, step: int) -> dict:
+        inject_fault(self.world.rank, step)
         cfg, traffic = self.cfg, self.world.ledger
         inputs, targets = self.task.global_batch(step, cfg.batch_size)
         traffic.start_step()
