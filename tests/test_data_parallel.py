@@ -92,8 +92,8 @@ def test_bad_batch_size_ends_every_rank_with_one_line_and_exit_2():
 def test_bench_dp_reports_the_ring_bytes_of_a_real_two_rank_run():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = data_bench.main(["--steps", "3", "--warmup", "1", "--json", *TINY_GPT, "--batch-size", "8",
-                                "--bucket-mb", "0.01"])
+        code = data_bench.main(["--steps", "3", "--warmup", "1", "--repeats", "1", "--json", *TINY_GPT,
+                                "--batch-size", "8", "--bucket-mb", "0.01"])
     assert code == 0
     figures = json.loads(out.getvalue())
     grad = gradient_bytes(GPT(hybrid.model_config(tiny()), seed=None))

@@ -7,7 +7,7 @@ all-reduce's 2(N-1)/N x gradient bytes. To show where the missing speed-up goes 
 process on a single replica's share of the batch (B/N): the speed-up that computing alone allows.
 Lesson: lessons/03_data_parallel.md.
 
-    python -m minipar bench dp [--sizes 1 2] [--steps 20] [--warmup 3] [--json] [train options...]
+    python -m minipar bench dp [--sizes 1 2] [--steps 20] [--warmup 3] [--repeats 3] [--json] [train options]
 """
 
 from __future__ import annotations
@@ -57,34 +57,41 @@ def gradient_bytes(train_args: list[str]) -> int:
     return sum(p.data.nbytes for p in model.parameters())
 
 
-def median_after(records: list[dict], warmup: int, key) -> float:
-    return float(np.median([key(r) for r in records[warmup:]]))
+def median(records: list[dict], key) -> float:
+    return float(np.median([key(r) for r in records]))
 
 
-def measure(sizes: list[int], steps: int, warmup: int, train_args: list[str]) -> dict:
+def measure(sizes: list[int], steps: int, warmup: int, repeats: int, train_args: list[str]) -> dict:
     args = [*train_args, "--steps", str(steps)]
     batch = parse_train_args(args).batch_size
     grad_bytes = gradient_bytes(args)
-    rows = []
+    kept = {(kind, n): [] for kind in ("dp", "share") for n in sizes}  # records after warm-up, all repeats
     with tempfile.TemporaryDirectory() as folder:
-        for n in sizes:
-            records = run_train(n, args, Path(folder) / f"dp{n}.jsonl")
-            share = run_train(1, [*args, "--batch-size", str(batch // n)], Path(folder) / f"share{n}.jsonl")
-            rows.append({
-                "dp": n,
-                "tokens_per_s": median_after(records, warmup, lambda r: r["tokens_per_s"]),
-                "share_step_s": median_after(share, warmup, lambda r: r["time_s"]),
-                "step_s": median_after(records, warmup, lambda r: r["time_s"]),
-                "sent_bytes_per_step": int(median_after(records, warmup, lambda r: r["comm"]["sent_bytes"])),
-                "messages_per_step": int(median_after(records, warmup, lambda r: r["comm"]["messages"])),
-                "ring_formula_bytes": 2 * (n - 1) * grad_bytes / n,
-            })
+        for _ in range(repeats):  # interleaved, so that a change in the machine's load hits every size alike
+            for n in sizes:
+                kept["dp", n] += run_train(n, args, Path(folder) / "dp.jsonl")[warmup:]
+                if n > 1:
+                    share = [*args, "--batch-size", str(batch // n)]
+                    kept["share", n] += run_train(1, share, Path(folder) / "share.jsonl")[warmup:]
+    rows = []
+    for n in sizes:
+        records, share = kept["dp", n], kept["share", n] or kept["dp", n]
+        rows.append({
+            "dp": n,
+            "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
+            "step_s": median(records, lambda r: r["time_s"]),
+            "share_step_s": median(share, lambda r: r["time_s"]),
+            "sent_bytes_per_step": int(median(records, lambda r: r["comm"]["sent_bytes"])),
+            "messages_per_step": int(median(records, lambda r: r["comm"]["messages"])),
+            "ring_formula_bytes": 2 * (n - 1) * grad_bytes / n,
+        })
     base = rows[0]
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["compute_only_speedup"] = base["step_s"] / row["share_step_s"]
         row["buckets"] = row["messages_per_step"] // (2 * (row["dp"] - 1)) if row["dp"] > 1 else 0
-    return {"train_args": args, "global_batch": batch, "gradient_bytes": grad_bytes, "rows": rows}
+    return {"train_args": args, "global_batch": batch, "gradient_bytes": grad_bytes, "repeats": repeats,
+            "rows": rows}
 
 
 COLUMNS = [  # (header, how to show a row's figure)
@@ -105,8 +112,9 @@ def render(figures: dict, warmup: int) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
     return "\n".join(
         [f"minipar train {' '.join(figures['train_args'])}",
-         f"same global batch of {figures['global_batch']} for every dp; medians after {warmup} warm-up "
-         f"steps; one run on a shared machine; gradient bytes {figures['gradient_bytes']}"]
+         f"same global batch of {figures['global_batch']} for every dp; medians over {figures['repeats']} "
+         f"interleaved runs of each, after {warmup} warm-up steps",
+         f"gradient bytes {figures['gradient_bytes']}"]
         + ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
         + ["compute-only: the speed-up if each rank only computed (one process timed on B/dp samples)"])
 
@@ -115,15 +123,17 @@ def main(argv) -> int:
     p = argparse.ArgumentParser(prog="minipar bench dp", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="data-parallel sizes, starting at 1")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
+    p.add_argument("--warmup", type=int, default=3, help="steps of each run left out of the medians")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each size, interleaved")
     p.add_argument("--json", action="store_true")
     args, train_args = p.parse_known_args(argv)
     train_args = train_args or DEFAULT_TRAIN_ARGS
     batch = parse_train_args(train_args).batch_size
-    if args.sizes[0] != 1 or any(n < 1 or batch % n for n in args.sizes) or args.steps <= args.warmup:
+    sizes_fit = args.sizes[0] == 1 and all(n >= 1 and batch % n == 0 for n in args.sizes)
+    if not sizes_fit or args.steps <= args.warmup or args.repeats < 1:
         print(f"minipar bench dp: error: --sizes must start at 1 and divide the batch {batch}, "
-              f"and --steps must exceed --warmup", file=sys.stderr)
+              f"--steps must exceed --warmup, and --repeats must be positive", file=sys.stderr)
         return 2
-    figures = measure(args.sizes, args.steps, args.warmup, train_args)
+    figures = measure(args.sizes, args.steps, args.warmup, args.repeats, train_args)
     print(json.dumps(figures) if args.json else render(figures, args.warmup), flush=True)
     return 0
