@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from minipar import fusion as fx
-from minipar.fusion.interpret import tiles
+from minipar.fusion.tiled import tiles
 
 
 def same_bits(x, y) -> bool:

@@ -13,7 +13,7 @@ GELU through them, bench.py measures the difference. Lesson: lessons/10_fusion.m
 
 from minipar.fusion.codegen import CudaKernel, cuda_kernel
 from minipar.fusion.fuse import Kernel, fuse, one_kernel_per_op
-from minipar.fusion.interpret import TILE, KernelStats, Stats, run
+from minipar.fusion.interpret import KernelStats, Stats, run
 from minipar.fusion.ir import (
     Node,
     add,
@@ -40,6 +40,7 @@ from minipar.fusion.ir import (
     tanh,
     where,
 )
+from minipar.fusion.tiled import TILE
 from minipar.fusion.training import adamw_update, gelu, gelu_backward
 
 __all__ = [

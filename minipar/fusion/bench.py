@@ -17,8 +17,9 @@ import time
 import numpy as np
 
 from minipar import fusion as fx
-from minipar.fusion.interpret import TILE, run
+from minipar.fusion.interpret import run
 from minipar.fusion.ir import array
+from minipar.fusion.tiled import TILE
 from minipar.fusion.training import adamw_update
 
 ADAMW_HYPERPARAMETERS = dict(step=10, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)

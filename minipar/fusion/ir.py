@@ -4,7 +4,8 @@
 graph of nodes. Each node knows its shape and dtype (NumPy's broadcasting and type rules, worked out
 on empty arrays) but holds no data, so nothing touches memory until `fx.run` hands the whole graph to
 an interpreter. Seeing the whole chain before running any of it is what lets the fusion pass
-(fuse.py) put many operations into one kernel. Lesson: lessons/10_fusion.md.
+(fuse.py) put many operations into one kernel. `apply` at the bottom says what each operation
+does to real arrays, for every interpreter. Lesson: lessons/10_fusion.md.
 """
 
 from __future__ import annotations
@@ -185,3 +186,17 @@ def sum(x, axis: int, keepdims: bool = False) -> Node:  # noqa: A001 - numpy's n
 def max(x, axis: int, keepdims: bool = False) -> Node:  # noqa: A001 - numpy's name
     """Lazy numpy.max over one axis (fx.maximum is the elementwise one)."""
     return reduction("max", x, axis, keepdims)
+
+
+def apply(xp, node: Node, args: list, out) -> None:
+    """Compute one node from its arguments' values (arrays, or numbers for constants) into out."""
+    if node.op == "where":  # numpy.where has no out= argument
+        xp.copyto(out, xp.where(*args), casting="unsafe")
+    elif node.op == "astype":
+        xp.copyto(out, args[0], casting="unsafe")
+    elif node.op == "sum":
+        xp.sum(args[0], axis=node.axis, keepdims=node.keepdims, dtype=node.dtype, out=out)
+    elif node.op == "max":
+        xp.max(args[0], axis=node.axis, keepdims=node.keepdims, out=out)
+    else:
+        getattr(xp, node.op)(*args, out=out)
