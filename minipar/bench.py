@@ -55,7 +55,8 @@ def hand_written_mlp_step(weights, x, y):
         if i < len(weights) - 1:
             g = F.gelu_backward(pre[i], g)
         grads.append((g.T @ activations[i], g.sum(axis=0)))
-        g = g @ weights[i][0]
+        if i:  # the data needs no gradient, and autograd does not compute one either
+            g = g @ weights[i][0]
     return grads
 
 
