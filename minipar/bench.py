@@ -23,11 +23,13 @@ from minipar.data import AdditionTask
 BENCHES = {
     "autograd": "minipar.bench:autograd_main",
     "dp": "minipar.parallel.data_bench:main",
+    "pp": "minipar.parallel.pipeline_bench:main",
     "fusion": "minipar.fusion.bench:main",
     "precision": "minipar.precision_bench:main",
+    "layouts": "minipar.parallel.hybrid_bench:main",
     "gpu": "minipar.gpu_bench:main",
 }
-QUICK = ("autograd", "dp", "fusion", "precision")  # what `bench all` runs (gpu needs a GPU)
+QUICK = ("autograd", "dp", "pp", "fusion", "precision")  # what `bench all` runs (gpu needs a GPU)
 
 
 def median_time(fn, repeats: int) -> float:
@@ -103,7 +105,8 @@ def autograd_main(argv) -> int:
     if args.json:
         print(json.dumps(r))
         return 0
-    print(f"MLP {args.layers} x {args.width}, batch {args.batch}, fp64, forward+backward, median of {args.repeats}")
+    print(f"MLP {args.layers} x {args.width}, batch {args.batch}, fp64, forward+backward, "
+          f"median of {args.repeats}")
     print(f"  hand-written NumPy   {r['hand_numpy_s'] * 1e3:8.2f} ms")
     print(f"  minipar autograd     {r['minipar_s'] * 1e3:8.2f} ms")
     print(f"  overhead ratio       {r['overhead_ratio']:8.3f}x")

@@ -12,14 +12,9 @@ from mpi_harness import mpi_given
 
 from minipar import train
 from minipar.config import TrainConfig, validate
+from minipar.parallel.hybrid_bench import factorisations
 
 WORLD = MPI.COMM_WORLD
-
-
-def factorisations(n: int) -> list[tuple[int, int, int]]:
-    """Every (dp, pp, tp) with dp * pp * tp = n."""
-    return [(dp, pp, n // (dp * pp)) for dp in range(1, n + 1) for pp in range(1, n + 1)
-            if n % (dp * pp) == 0]
 
 
 def tiny(dp, pp, tp, **changes) -> TrainConfig:
