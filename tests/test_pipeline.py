@@ -20,8 +20,8 @@ from minipar.nn import GPT, GPTConfig, MLPConfig, MLPNet
 from minipar.parallel.pipeline import (
     PipelineRunner,
     PipelineStage,
-    build_stage,
     bubble_formula,
+    build_stage,
     partition,
     unit_cost,
 )
@@ -31,14 +31,16 @@ from minipar.train import Trainer, compare_with_reference
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 
 
+def stage_costs(costs, bounds):
+    """The stages' costs, costliest first."""
+    return sorted((sum(costs[r.start:r.stop]) for r in bounds), reverse=True)
+
+
 def brute_force_best(costs, stages):
-    """The smallest possible cost of the costliest stage, over every way to cut."""
-    best = None
-    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
-        edges = (0, *cuts, len(costs))
-        worst = max(sum(costs[a:b]) for a, b in zip(edges, edges[1:]))
-        best = worst if best is None else min(best, worst)
-    return best
+    """The best stage costs (costliest first, compared lexicographically) over every way to cut."""
+    every_cut = itertools.combinations(range(1, len(costs)), stages - 1)
+    edges = [(0, *cuts, len(costs)) for cuts in every_cut]
+    return min(stage_costs(costs, [range(a, b) for a, b in zip(e, e[1:])]) for e in edges)
 
 
 @settings(max_examples=200, deadline=None)
@@ -50,7 +52,7 @@ def test_partition_is_contiguous_nonempty_and_balanced(costs, data):
     assert bounds[0].start == 0 and bounds[-1].stop == len(costs)
     assert all(len(r) > 0 for r in bounds)
     assert all(a.stop == b.start for a, b in zip(bounds, bounds[1:]))
-    assert max(sum(costs[r.start:r.stop]) for r in bounds) == brute_force_best(costs, stages)
+    assert stage_costs(costs, bounds) == brute_force_best(costs, stages)
     assert partition(list(costs), stages) == bounds  # deterministic: every rank cuts the same
 
 
@@ -60,7 +62,8 @@ def test_partition_rejects_more_stages_than_units():
 
 
 def tiny_gpt(vocab_size=13, n_layer=2):
-    return GPT(GPTConfig(vocab_size=vocab_size, block_size=8, n_layer=n_layer, n_head=2, d_model=16), seed=None)
+    cfg = GPTConfig(vocab_size=vocab_size, block_size=8, n_layer=n_layer, n_head=2, d_model=16)
+    return GPT(cfg, seed=None)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
@@ -87,6 +90,7 @@ def test_embedding_and_head_count_as_blocks():
     assert unit_cost(big_vocab.embed) > 4 * unit_cost(big_vocab.blocks[0])
     costs = [unit_cost(unit) for _, unit in big_vocab.units()]
     assert partition(costs, 3) == [range(0, 1), range(1, 5), range(5, 6)]
+    assert partition(costs, 4) == [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
     small_vocab = tiny_gpt(vocab_size=13, n_layer=4)
     costs = [unit_cost(unit) for _, unit in small_vocab.units()]
     assert partition(costs, 4) == [range(0, 2), range(2, 3), range(3, 4), range(4, 6)]
@@ -126,14 +130,17 @@ def test_one_stage_runner_equals_the_plain_loop(schedule, model_kind):
 
 
 def test_activation_shape_follows_the_batch_axes():
-    runner = PipelineRunner(build_stage(tiny_gpt(), 1, 0), Comm(MPI.COMM_SELF, "pp"), "1f1b", 1, 16, "float64")
+    stage = build_stage(tiny_gpt(), 1, 0)
+    runner = PipelineRunner(stage, Comm(MPI.COMM_SELF, "pp"), "1f1b", 1, 16, "float64")
     assert runner.activation_shape(np.zeros((3, 8), dtype=np.int64)) == (3, 8, 16)
     assert runner.activation_shape(np.zeros((3, 5))) == (3, 16)
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"pp": 2, "microbatches": 3, "batch_size": 8}, "the per-replica batch 8 is not divisible by --microbatches 3"),
-    ({"pp": 8, "n_layer": 4}, "--pp 8 is more stages than the model's 6 blocks (embedding, 4 layers and head)"),
+    ({"pp": 2, "microbatches": 3, "batch_size": 8},
+     "the per-replica batch 8 is not divisible by --microbatches 3"),
+    ({"pp": 8, "n_layer": 4},
+     "--pp 8 is more stages than the model's 6 blocks (embedding, 4 layers and head)"),
     ({"pp": 4, "model": "mlp", "n_layer": 3}, "--pp 4 is more stages than the model's 3 blocks (3 layers)"),
 ])
 def test_validate_names_the_pipeline_mistake(changes, message):

@@ -40,21 +40,24 @@ def unit_cost(unit: Module) -> int:
 
 
 def partition(costs: list[int], stages: int) -> list[range]:
-    """Cut units into `stages` contiguous, non-empty ranges so that the costliest stage is cheapest.
+    """Cut units into `stages` contiguous, non-empty ranges, as balanced as possible.
 
-    Dynamic programming over (stages used, units covered): best[k, j] is the smallest possible cost of
-    the costliest stage when the first j units form k stages. Ties go to the earliest cut, so every
-    rank computes the same partition.
+    Balanced means: the costliest stage is as cheap as possible (it sets the pace of the pipeline),
+    then the second costliest, and so on. Dynamic programming over (stages used, units covered):
+    best[k, j] is the stage costs, costliest first, of the best cut of the first j units into k stages;
+    comparing these tuples lexicographically is exactly that order. Ties go to the earliest cut, so
+    every rank computes the same partition.
     """
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot cut {n} units into {stages} non-empty stages")
     prefix = np.concatenate([[0], np.cumsum(costs)])
-    best, cut = {(0, 0): 0}, {}
+    best, cut = {(0, 0): ()}, {}
     for k in range(1, stages + 1):
         for j in range(k, n - (stages - k) + 1):
-            best[k, j], cut[k, j] = min((max(best[k - 1, i], int(prefix[j] - prefix[i])), i)
-                                        for i in range(k - 1, j) if (k - 1, i) in best)
+            best[k, j], cut[k, j] = min(
+                (tuple(sorted(best[k - 1, i] + (int(prefix[j] - prefix[i]),), reverse=True)), i)
+                for i in range(k - 1, j) if (k - 1, i) in best)
     bounds, stop = [], n
     for k in range(stages, 0, -1):
         bounds.append(range(cut[k, stop], stop))
