@@ -36,7 +36,9 @@ def padded_numel(numel: int, parts: int) -> int:
 
 class FlatUnit:
     """One unit's parameters seen as a flat buffer of `padded` elements, of which this rank owns
-    [start, stop). The padding past `numel` stays zero: zero gradients leave it zero under Adam and SGD."""
+    [start, stop). The padding past `numel` stays zero: zero gradients leave it zero under Adam and SGD.
+    The updaters add what each stage keeps: `flat` (the whole buffer, while it exists), `param_shard`,
+    `state` (the optimizer's, for the shard) and, from stage 2, `grad_shard`."""
 
     def __init__(self, module, named_params: list, comm):
         self.module = module
@@ -69,6 +71,18 @@ class FlatUnit:
         """Make every parameter's data a view into `flat`, so the model computes with its values."""
         for p, view in zip(self.params, unflatten(flat, self.shapes)):
             p.data = view
+
+
+def units_of(model, comm) -> list[FlatUnit]:
+    """A FlatUnit per unit of the model, in execution order; every parameter must be in one."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    units = [FlatUnit(module, [(names[id(p)], p) for p in module.parameters()], comm)
+             for _, module in model.units() if module.parameters()]
+    covered = {id(p) for unit in units for p in unit.params}
+    missing = [name for i, name in names.items() if i not in covered]
+    if missing:
+        raise ValueError(f"ZeRO shards parameters unit by unit, and {missing[0]} is in no unit of the model")
+    return units
 
 
 class BackwardHook(Function):
@@ -155,10 +169,10 @@ class ZeroStage2(ZeroStage1):
         super().__init__(model, optimizer, comm)
         for unit in self.units:
             unit.grad_shard = unit.xp.zeros(unit.shard_numel, dtype=unit.dtype)
-            self.hook_unit(unit.module, unit)
+            self.hook_unit(unit)
 
-    def hook_unit(self, module, unit):
-        after_backward_of(module, lambda: self.reduce_scatter_grads(unit))
+    def hook_unit(self, unit):
+        after_backward_of(unit.module, lambda: self.reduce_scatter_grads(unit))
 
     def reduce_scatter_grads(self, unit):
         """Add this rank's shard of the unit's summed gradients to its grad_shard; drop the full ones."""
@@ -187,14 +201,3 @@ class ZeroStage2(ZeroStage1):
     def grads_bytes(self) -> int:
         return sum(u.grad_shard.nbytes for u in self.units)
 
-
-def units_of(model, comm) -> list[FlatUnit]:
-    """A FlatUnit per unit of the model, in execution order; every parameter must be in one."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    units = [FlatUnit(module, [(names[id(p)], p) for p in module.parameters()], comm)
-             for _, module in model.units() if module.parameters()]
-    covered = {id(p) for unit in units for p in unit.params}
-    missing = [name for i, name in names.items() if i not in covered]
-    if missing:
-        raise ValueError(f"ZeRO shards parameters unit by unit, and {missing[0]} is in no unit of the model")
-    return units

@@ -33,9 +33,9 @@ class ZeroStage3(ZeroStage2):
             buffer_meter.add(unit.flat.nbytes)  # the full parameters built here count as gathered ...
             self.release_params(unit)  # ... and go at once
 
-    def hook_unit(self, module, unit):
-        super().hook_unit(module, unit)  # stage 2's: reduce-scatter the gradients as backward leaves
-        forward = module.forward
+    def hook_unit(self, unit):
+        super().hook_unit(unit)  # stage 2's: reduce-scatter the gradients as backward leaves the unit
+        forward = unit.module.forward
 
         def forward_with_gathered_params(*args, **kwargs):
             self.gather_params(unit)
@@ -43,7 +43,7 @@ class ZeroStage3(ZeroStage2):
             self.release_params(unit)
             return BackwardHook.apply(output, lambda: self.gather_params(unit))  # backward needs them
 
-        module.forward = forward_with_gathered_params
+        unit.module.forward = forward_with_gathered_params
 
     def gather_params(self, unit):
         """Make the unit's parameters whole: all-gather every rank's shard into a new flat buffer."""
