@@ -86,8 +86,8 @@ def _table(results: dict, size: int, repeats: int, tile: int) -> str:
             lines.append(f"{workload:<10}{mode:<8}{kernels:>8}{moved:>11}{row['seconds'] * 1e3:>11.1f}")
     for workload, rows in results.items():
         eager, fused = rows["eager"], rows["fused"]
-        lines.append(f"{workload}: fused is {eager['seconds'] / fused['seconds']:.2f}x faster than eager "
-                     f"and moves {eager['bytes_moved'] / fused['bytes_moved']:.1f}x fewer bytes")
+        lines.append(f"{workload}: eager/fused time {eager['seconds'] / fused['seconds']:.2f}x, "
+                     f"bytes moved {eager['bytes_moved'] / fused['bytes_moved']:.1f}x")
     return "\n".join(lines)
 
 

@@ -43,12 +43,14 @@ class Kernel:
     @property
     def name(self) -> str:
         ops = [n.op for n in self.nodes]
+        if len(ops) == 1:
+            return ops[0]
         shown = ops if len(ops) <= 6 else ops[:3] + [f"{len(ops) - 5}more"] + ops[-2:]
         return "fused_" + "_".join(shown)
 
     def __repr__(self) -> str:
-        reads = ", ".join(map(repr, self.inputs)) if len(self.inputs) < 5 else f"{len(self.inputs)} arrays"
-        return f"Kernel({self.name}: {len(self.nodes)} ops, reads {reads})"
+        names = [repr(n) if n.is_leaf else f"{n.op}(...)" for n in self.inputs]
+        return f"Kernel({self.name}: {len(self.nodes)} ops, reads {', '.join(names)})"
 
 
 def topological_order(roots: list[Node]) -> list[Node]:
