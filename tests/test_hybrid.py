@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_harness import mpi_given
+from mpi_harness import mpi_given, mpi_test, needs_world_size
 
 from minipar import train
 from minipar.config import TrainConfig, validate
@@ -49,3 +49,37 @@ def test_factorisations_are_complete():
         [(1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2), (4, 2, 1),
          (8, 1, 1)])
     assert len(factorisations(4)) == 6
+
+
+def expected_bytes_per_dimension(cfg: TrainConfig, trainer) -> dict:
+    """What each dimension must send per step on this rank, from the techniques' own formulas."""
+    grid, w = trainer.grid, 8  # fp64
+    unit_names = [name for name, _ in trainer.engine.model.units()]
+    blocks = sum(name.startswith("blocks.") for name in unit_names)
+    has_embed, has_head = "embed" in unit_names, "head" in unit_names
+    b, M = cfg.batch_size // cfg.dp // cfg.microbatches, cfg.microbatches
+    activation = b * cfg.seq_len * cfg.d_model * w
+    ring = lambda n: 2 * (n - 1) / n  # noqa: E731  all-reduce: 2(N-1)/N of the payload
+    # Megatron: per block 2 all-reduces forward (attention, MLP outputs) and 2 backward (their inputs);
+    # the embedding 1 forward; the head 1 backward (lm_head's input) and the loss 3 of b*T values.
+    loss = 3 * b * cfg.seq_len * w
+    tp_payload = 4 * blocks * activation + has_embed * activation + has_head * (activation + loss)
+    # Pipeline: an activation forward unless last, its gradient backward unless first, per micro-batch.
+    pp_sends = (grid.pp_rank < grid.pp.size - 1) + (grid.pp_rank > 0)
+    # ZeRO-1: reduce-scatter + all-gather of each unit's flat parameters, padded to a multiple of dp.
+    padded = sum(-(-sum(p.size for p in unit.parameters()) // grid.dp.size) * grid.dp.size
+                 for _, unit in trainer.engine.model.units())
+    return {"tp": M * ring(grid.tp.size) * tp_payload, "pp": M * pp_sends * activation,
+            "dp": ring(grid.dp.size) * padded * w}
+
+
+@needs_world_size(4, 8)
+@pytest.mark.parametrize("layout", factorisations(WORLD.size))
+@mpi_test
+def test_each_dimension_sends_what_its_formula_says(layout):
+    dp, pp, tp = layout
+    cfg = tiny(dp, pp, tp, zero=1, microbatches=2, steps=1)
+    trainer = train.Trainer(cfg, WORLD)
+    sent = trainer.run()[-1]["comm"]["by_dim"]
+    for dim, expected in expected_bytes_per_dimension(cfg, trainer).items():
+        assert sent.get(dim, 0) == pytest.approx(expected, abs=0.5), (dim, sent, expected)
