@@ -88,7 +88,8 @@ def host_program(cases) -> str:
                              for v in values.ravel().tolist())
             parts.append(f"static const {c_type} case{i}_in{j}[] = {{{data}}};\n")
         args = ", ".join(f"case{i}_in{j}[r * {cols} + c]" for j in range(len(inputs)))
-        call = f"case{i}::{kernel.name}_element({args})"
+        function = k.operation.removeprefix("out = ").split("(")[0]
+        call = f"case{i}::{function}({args})"
         rows = inputs[0].size // cols
         if k.kind == "elementwise":
             main.append(f"for (int r = 0; r < {rows}; r++) for (int c = 0; c < {cols}; c++) "

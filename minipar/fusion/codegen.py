@@ -69,7 +69,8 @@ def cuda_kernel(kernel: Kernel) -> CudaKernel:
     red = kernel.reduction
     chain = kernel.nodes[:-1] if red is not None else kernel.nodes
     element = red.args[0] if red is not None else kernel.output
-    function = f"{kernel.name}_element"
+    name = kernel.name if len(kernel.nodes) > 1 else f"fused_{kernel.name}"  # never a bare "sum"
+    function = f"{name}_element"
     params = ", ".join(f"{_c_type(n.dtype)} {names[n]}" for n in kernel.inputs)
     lines = []
     for i, node in enumerate(chain):
@@ -81,9 +82,9 @@ def cuda_kernel(kernel: Kernel) -> CudaKernel:
     out_params = f"{kernel.output.dtype} out"
     call = f"{function}({', '.join(names[n] for n in kernel.inputs)})"
     if red is None:
-        return CudaKernel("elementwise", kernel.name, in_params, out_params, preamble, f"out = {call}")
+        return CudaKernel("elementwise", name, in_params, out_params, preamble, f"out = {call}")
     reduce_expr = "a + b" if red.op == "sum" else CHOOSE["maximum"].format("a", "b")
-    return CudaKernel("reduction", kernel.name, in_params, out_params, preamble, call,
+    return CudaKernel("reduction", name, in_params, out_params, preamble, call,
                       reduce_expr, "out = a", _identity(red), _c_type(red.dtype))
 
 

@@ -15,7 +15,6 @@ import numpy as np
 UNARY = ("negative", "exp", "log", "tanh", "sqrt")
 BINARY = ("add", "subtract", "multiply", "divide", "power", "maximum", "minimum")
 COMPARISONS = ("less", "less_equal", "greater", "greater_equal", "equal", "not_equal")
-ELEMENTWISE = UNARY + BINARY + COMPARISONS + ("where", "astype")
 REDUCTIONS = ("sum", "max")
 SCALAR_TYPES = (bool, int, float, np.bool_, np.integer, np.floating)
 
@@ -48,10 +47,6 @@ class Node:
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
 
     @property
     def is_leaf(self) -> bool:
