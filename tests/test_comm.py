@@ -285,6 +285,17 @@ def test_send_and_recv_around_the_ring_charge_only_the_sender(comm):
 
 
 @mpi_test
+def test_isend_lets_every_rank_send_before_it_receives(comm):
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    big = numpy.full(100_000, float(comm.rank))  # large enough that a blocking Send could wait
+    request = comm.isend(big, dest=right, tag=7)
+    received = comm.recv(big.shape, big.dtype, source=left, tag=7)
+    request.Wait()
+    assert numpy.array_equal(received, numpy.full(100_000, float(left)))
+    assert comm.ledger.total_report()["by_op"] == {"send": big.nbytes}
+
+
+@mpi_test
 def test_split_shares_the_ledger_and_control_messages_are_free(comm):
     half = comm.split(color=comm.rank % 2, key=-comm.rank, name="half")  # key reverses the order
     members = half.allgather_obj(comm.rank)
