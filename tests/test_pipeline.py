@@ -1,8 +1,10 @@
 """Pipeline parallelism: partition, stages, executor against single-process training, errors."""
 
+import gc
 import itertools
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import mpi_harness
@@ -26,6 +28,7 @@ from minipar.parallel.pipeline import (
     unit_cost,
 )
 from minipar.parallel.schedules import bubble_fraction, build_schedule, simulate
+from minipar.parallel.tensor_gpt import TensorParallelGPT
 from minipar.train import Trainer, compare_with_reference
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
@@ -82,6 +85,21 @@ def test_a_stage_holds_only_its_units():
     assert isinstance(stage, PipelineStage) and not stage.is_last
     assert [name for name, _ in stage.units()] == ["blocks.1", "blocks.2"]
     assert all(name.startswith(("blocks.1.", "blocks.2.")) for name, _ in stage.named_parameters())
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True])
+def test_the_other_stages_units_are_freed(tensor_parallel):
+    """A stage keeps its own units only, even when the model's loss is a method (tensor parallelism's)."""
+    cfg = GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=2, d_model=16)
+    model = TensorParallelGPT(cfg, Comm(MPI.COMM_SELF, "tp"), None) if tensor_parallel else GPT(cfg, None)
+    dropped = [weakref.ref(model), weakref.ref(model.embed), weakref.ref(model.blocks[0])]
+    last = build_stage(model, 3, 2)
+    del model
+    gc.collect()
+    assert [ref() for ref in dropped] == [None, None, None]
+    assert [name for name, _ in last.units()] == ["blocks.1", "head"]
+    logits = last(np.random.default_rng(0).standard_normal((2, 8, 16)))
+    assert last.loss(logits, np.zeros((2, 8), dtype=np.int64), 16).data.shape == ()
 
 
 def test_embedding_and_head_count_as_blocks():

@@ -16,6 +16,7 @@ Lesson: lessons/06_pipeline.md.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from fractions import Fraction
@@ -73,7 +74,7 @@ class PipelineStage(Module):
         for name, unit in model.units()[units.start:units.stop]:
             self.add_module(name, unit)
         self.config = model.config
-        self.loss = model.loss  # applied on the last stage only
+        self.loss = without_units(model).loss  # applied on the last stage only
         self.is_last = is_last
 
     def units(self):
@@ -83,6 +84,19 @@ class PipelineStage(Module):
         for _, unit in self.units():
             x = unit(x)
         return x
+
+
+def without_units(model):
+    """A shallow copy of `model` with its settings (config, communicator...) but no parameters.
+
+    A model's `loss` may be a method that needs those settings (tensor parallelism's does); bound to
+    this copy it does not keep the other stages' units, and their memory, alive."""
+    shell = copy.copy(model)
+    for name in [*model._children, *model._params]:
+        shell.__dict__.pop(name, None)
+    object.__setattr__(shell, "_children", {})
+    object.__setattr__(shell, "_params", {})
+    return shell
 
 
 def build_stage(model, stages: int, stage: int) -> PipelineStage:
