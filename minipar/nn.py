@@ -343,9 +343,8 @@ class MLPNet(Module):
         super().__init__()
         self.config = cfg
         widths = [cfg.d_in] + [cfg.d_hidden] * (cfg.n_layer - 1) + [cfg.d_out]
-        self.layers = ModuleList(
-            [DenseLayer(a, b, i < cfg.n_layer - 1, cfg.dtype) for i, (a, b) in enumerate(zip(widths, widths[1:]))]
-        )
+        self.layers = ModuleList([DenseLayer(a, b, i < cfg.n_layer - 1, cfg.dtype)
+                                  for i, (a, b) in enumerate(zip(widths, widths[1:]))])
         if seed is not None:
             self.init_parameters(seed)
 
