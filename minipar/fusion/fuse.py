@@ -80,22 +80,18 @@ def fuse(roots: list[Node]) -> list[Kernel]:
     """The fused plan: kernels in an order that computes each input before it is read."""
     order = topological_order(roots)
     consumers, outputs = consumer_counts(order), set(roots)
-
-    def materialised(node: Node) -> bool:
-        if node.is_scalar:
-            return False
-        return node.is_leaf or node.is_reduction or node in outputs or consumers[node] > 1
-
+    materialised = {n for n in order if not n.is_scalar and (
+        n.is_leaf or n.is_reduction or n in outputs or consumers[n] > 1)}
     kernels = []
     for root in order:
-        if root.is_leaf or root.is_scalar or not materialised(root):
+        if root.is_leaf or root not in materialised:
             continue
         members, inputs, stack = set(), set(), [root]
         while stack:
             node = stack.pop()
             members.add(node)
             for arg in node.args:
-                if materialised(arg):
+                if arg in materialised:
                     inputs.add(arg)
                 elif not arg.is_scalar and arg not in members:
                     stack.append(arg)

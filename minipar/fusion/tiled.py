@@ -83,14 +83,15 @@ def evaluate_tiled(kernel: Kernel, arrays: list, dest, tile: int) -> None:
         shape = shape[: red.axis] + shape[red.axis + 1 :] + (shape[red.axis],)
     body = kernel.nodes[:-1] if red is not None else kernel.nodes
     program = TileProgram(body, kernel.inputs, to_output=red is None)
-    flat_buffers = [xp.empty(tile, dtype) for dtype in program.buffer_dtypes]
+    size = max(1, min(tile, int(np.prod(shape, dtype=np.int64))))
+    flat_buffers = [xp.empty(size, dtype) for dtype in program.buffer_dtypes]
     buffers_by_shape = {}
     for index in tiles(shape, tile):
         at = index + (...,)  # `...` makes every index a view, even one picking single elements
         tile_shape = _tile_shape(shape, index)
         if tile_shape not in buffers_by_shape:
-            size = int(np.prod(tile_shape, dtype=np.int64))
-            buffers_by_shape[tile_shape] = [b[:size].reshape(tile_shape) for b in flat_buffers]
+            used = int(np.prod(tile_shape, dtype=np.int64))
+            buffers_by_shape[tile_shape] = [b[:used].reshape(tile_shape) for b in flat_buffers]
         input_tiles = [v[at] for v in views]
         value = program.run(xp, input_tiles, None if red is not None else target[at],
                             buffers_by_shape[tile_shape])
