@@ -92,8 +92,9 @@ def test_the_log_follows_the_documented_schema(tmp_path):
 def test_spawns_mpiexec_bad_input_ends_every_rank_with_exit_code_2():
     result = minipar("train", "--tp", "3", *SMALL, ranks=2)
     assert result.returncode == 2, result.stderr
-    lines = result.stderr.splitlines()
-    assert len(lines) == 2 and len(set(lines)) == 1 and "world size" in lines[0], lines
+    # one line per rank; mpiexec may interleave the two ranks' bytes, so count the messages instead
+    assert result.stderr.count("minipar train: error:") == 2, result.stderr
+    assert result.stderr.count("does not match the world size 2") == 2 and "Traceback" not in result.stderr
 
 
 def test_spawns_mpiexec_a_rank_that_raises_ends_the_whole_job():
