@@ -80,3 +80,22 @@ def test_gelu_kernels_and_bytes():
     # tanh has two consumers, so it goes to memory: kernel 1 reads x, writes t; kernel 2 reads x, g, t
     assert (len(backward.kernels), backward.bytes_moved) == (2, 2 * 800 + 4 * 800)
     assert fx.training.GELU_C == F.GELU_C
+
+
+@settings(max_examples=4, deadline=None)
+@given(model=st.sampled_from(["gpt", "mlp"]), seed=st.integers(0, 2**16), zero=st.sampled_from([0]))
+def test_train_fused_gives_the_same_losses_and_weights_bit_for_bit(model, seed, zero):
+    from mpi4py import MPI
+
+    from minipar import train
+    from minipar.config import TrainConfig
+
+    cfg = TrainConfig(model=model, precision="fp64", n_layer=2, n_head=2, d_model=16, seq_len=8,
+                      batch_size=4, steps=3, seed=seed, quiet=True, dp=1)
+    plain, fused = train.Trainer(cfg, MPI.COMM_SELF), train.Trainer(cfg.replace(fused=True), MPI.COMM_SELF)
+    activations = {getattr(m, "activation", None) for m in fused.engine.model.modules()}
+    assert fx.training.fused_gelu in activations and F.gelu not in activations
+    assert fused.engine.updater.optimizer.update_rule is fx.training.adamw_update
+    assert [r["loss"] for r in plain.run()] == [r["loss"] for r in fused.run()]
+    for (name, p), (_, q) in zip(plain.engine.model.named_parameters(), fused.engine.model.named_parameters()):
+        assert same_bits(p.data, q.data), name

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from minipar.autograd import Function
 from minipar.fusion.interpret import run
 from minipar.fusion.ir import Node, array, sqrt, tanh
 
@@ -62,3 +63,28 @@ def gelu_backward(x, grad_out, *, fused: bool = True):
     """The gradient of GELU with respect to x, given the gradient of its output."""
     return run(gelu_backward_expression(array(x, name="x"), array(grad_out, name="grad_out")),
                fused=fused)[0]
+
+
+class FusedGELU(Function):
+    """GELU as an autograd Function whose forward and backward run through the fused interpreter."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return gelu_backward(ctx.saved[0], grad_out)
+
+
+def fused_gelu(x):
+    return FusedGELU.apply(x)
+
+
+def use_fused_gelu(model):
+    """`train --fused`: every GELU of the model runs through the fused interpreter."""
+    for module in model.modules():
+        if getattr(module, "activation", None) is not None:
+            module.activation = fused_gelu
+    return model
