@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import sys
 
-from minipar.config import BACKENDS, MODELS, OFFLOADS, PRECISIONS, SCHEDULES, TrainConfig, validate
+from minipar.config import BACKENDS, EVICTIONS, MODELS, OFFLOADS, PRECISIONS, SCHEDULES, TrainConfig, validate
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -35,6 +35,7 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", choices=OFFLOADS, default=d.offload)
     p.add_argument("--device-mem-mb", type=float, default=d.device_mem_mb)
     p.add_argument("--chunk-mb", type=float, default=d.chunk_mb)
+    p.add_argument("--eviction", choices=EVICTIONS, default=d.eviction, help="offload's eviction policy")
     p.add_argument("--steps", type=int, default=d.steps, help="total steps (a resumed run continues to it)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (sequences)")
     p.add_argument("--seq-len", type=int, default=d.seq_len)

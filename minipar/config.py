@@ -15,6 +15,7 @@ SCHEDULES = ("naive", "gpipe", "1f1b")
 PRECISIONS = ("fp64", "fp32", "bf16", "fp16")
 OFFLOADS = ("none", "cpu", "disk")
 BACKENDS = ("numpy", "cupy")
+EVICTIONS = ("lru", "opt")
 
 
 @dataclass
@@ -30,6 +31,7 @@ class TrainConfig:
     offload: str = "none"
     device_mem_mb: float | None = None
     chunk_mb: float | None = None
+    eviction: str = "opt"  # which block offload evicts: "lru" or "opt" (memory/offload.py)
     steps: int = 60
     batch_size: int = 16
     seq_len: int = 32
@@ -83,7 +85,8 @@ def _positive(cfg: TrainConfig) -> list[str]:
 def _choices(cfg: TrainConfig) -> list[str]:
     errors = []
     for name, allowed in [("model", MODELS), ("schedule", SCHEDULES), ("precision", PRECISIONS),
-                          ("offload", OFFLOADS), ("backend", BACKENDS), ("optimizer", ("adamw", "sgd"))]:
+                          ("offload", OFFLOADS), ("backend", BACKENDS), ("optimizer", ("adamw", "sgd")),
+                          ("eviction", EVICTIONS)]:
         if getattr(cfg, name) not in allowed:
             errors.append(f"--{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
     if cfg.zero not in (0, 1, 2, 3):
@@ -122,4 +125,14 @@ def validate(cfg: TrainConfig, world_size: int) -> list[str]:
     errors = _positive(cfg) + _choices(cfg)
     if errors:
         return errors
-    return _layout(cfg.resolved(world_size), world_size)
+    errors = _layout(cfg.resolved(world_size), world_size)
+    return errors or _chunked(cfg.resolved(world_size))
+
+
+def _chunked(cfg: TrainConfig) -> list[str]:
+    """--offload / --chunk-mb / --device-mem-mb select chunked ZeRO-3; it checks them on the model's sizes."""
+    if cfg.offload == "none" and cfg.chunk_mb is None and cfg.device_mem_mb is None:
+        return []
+    from minipar.parallel.chunked_zero import config_errors
+
+    return config_errors(cfg)

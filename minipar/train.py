@@ -70,8 +70,9 @@ class Trainer:
         loss = self.engine.train_step(inputs, targets)
         backend.current().sync()
         elapsed = time.perf_counter() - started
-        for category, nbytes in self.engine.updater.memory().items():
-            self.memory.set(category, nbytes)
+        for category, held in self.engine.updater.memory().items():
+            for tier, nbytes in (held.items() if isinstance(held, dict) else [("device", held)]):
+                self.memory.set(category, nbytes, tier)  # {tier: bytes} where model states are offloaded
         record = {
             "step": step,
             "loss": float(loss),
@@ -83,6 +84,9 @@ class Trainer:
         pipeline_timing = getattr(self.engine.runner, "last_timing", None)
         if pipeline_timing:  # measured busy/idle time of the stages and the bubble (pipeline.py)
             record["pipeline"] = pipeline_timing
+        tier_traffic = getattr(self.engine.updater, "tier_traffic", None)
+        if tier_traffic:  # bytes moved between device, cpu and disk this step (chunked_zero.py)
+            record["offload"] = tier_traffic
         return record
 
     def run(self) -> list[dict]:
@@ -121,8 +125,8 @@ def reference_run(cfg: TrainConfig):
     """The single-process run of the same steps: losses and final weights, computed on this rank."""
     from mpi4py import MPI
 
-    ref_cfg = cfg.replace(dp=1, tp=1, pp=1, zero=0, microbatches=1, offload="none", log=None, save=None,
-                          resume=None, quiet=True, check_reference=False)
+    ref_cfg = cfg.replace(dp=1, tp=1, pp=1, zero=0, microbatches=1, offload="none", chunk_mb=None,
+                          device_mem_mb=None, log=None, save=None, resume=None, quiet=True, check_reference=False)
     trainer = Trainer(ref_cfg, MPI.COMM_SELF)
     records = trainer.run()
     return [r["loss"] for r in records], dict(local_state(trainer.engine.model))

@@ -20,6 +20,21 @@ TIERS = ("device", "cpu", "disk")
 buffer_meter = autograd.ActivationMeter()
 
 
+class TierMeter:
+    """Live bytes of a model-state category in a tier, for engines whose model states move between
+    tiers during a step (memory/offload.py): the ledger listens, so its peaks include every move."""
+
+    def __init__(self):
+        self.on_change = None
+
+    def set(self, category: str, nbytes: int, tier: str):
+        if self.on_change:
+            self.on_change(category, nbytes, tier)
+
+
+tier_meter = TierMeter()
+
+
 class MemoryLedger:
     def __init__(self):
         self.current = {(c, t): 0 for c in CATEGORIES for t in TIERS}
@@ -27,6 +42,7 @@ class MemoryLedger:
         self.device_peak = 0
         autograd.activation_meter.on_change = self._activations_changed
         buffer_meter.on_change = self._buffers_changed
+        tier_meter.on_change = self.set
 
     def set(self, category: str, nbytes: int, tier: str = "device"):
         """Record that this rank now holds `nbytes` of `category` in `tier`."""

@@ -14,6 +14,7 @@ from minipar.data import AdditionTask
 from minipar.engine import Engine, LocalUpdater, MicrobatchRunner
 from minipar.nn import GPT, GPTConfig, MLPConfig, MLPNet
 from minipar.parallel import pipeline
+from minipar.parallel.chunked_zero import build_chunked_zero3
 from minipar.parallel.data import DistributedDataParallel
 from minipar.parallel.zero import ZeroStage1, ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
@@ -48,6 +49,8 @@ def build_runner(cfg, grid, model):
 
 
 def build_updater(cfg, grid, model):
+    if cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None:
+        return build_chunked_zero3(cfg, grid, model, build_optimizer(cfg, []))  # chunked_zero.py
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
         stage = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}[cfg.zero]
         return stage(model, build_optimizer(cfg, []), grid.dp)

@@ -1,0 +1,228 @@
+"""Heterogeneous memory: a device with a byte budget, CPU memory and disk, and blocks that move
+between them on demand (PatrickStar; ZeRO-Offload and ZeRO-Infinity).
+
+The idea: what a rank keeps between uses (for chunked ZeRO-3: each chunk's shard of parameters,
+gradients and optimizer states, one *block* per chunk) need not stay on the device. A block lives in
+exactly one tier. Using it brings it to the device; when the device budget is full, another block is
+first evicted to the lower tier: CPU memory, or disk (`numpy.memmap` files). Which block goes?
+
+    LRU  the least recently used one;
+    OPT  Belady's choice: the one whose next use is furthest in the future. A training step repeats
+         the same accesses, so the first step is recorded as a trace and the future is known exactly.
+
+After each use, the next block of the trace is prefetched if it fits in the free room (a GPU would
+copy it while computing). The budget covers everything on the device: the resident blocks plus the
+`others()` bytes the caller reports (activations, gathered chunks, gradient buffers); `relieve()`
+evicts blocks when those grow, and a budget that cannot be kept is a MemoryError, never exceeded.
+
+What it saves: device memory; the model may be many times the budget. What it costs: traffic between
+tiers (counted by direction, per step), in the time of PCIe or of a disk.
+Lesson: lessons/08_memory.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import math
+import shutil
+import tempfile
+import weakref
+from collections import Counter
+
+import numpy as np
+
+from minipar import backend
+
+TIERS = ("device", "cpu", "disk")
+POLICIES = ("lru", "opt")
+MiB = 2**20
+
+
+class DiskTier:
+    """One `numpy.memmap` file per block, made in a temporary folder that never outlives its creation.
+
+    Each file is created already unlinked (`tempfile.TemporaryFile`) and the folder is removed as soon
+    as the files exist, even if creating them fails: nothing is left on disk whatever happens to the
+    process, since the system frees an unlinked file's space when its last handle closes."""
+
+    def __init__(self, shapes: dict, parent: str | None = None):
+        self.folder = tempfile.mkdtemp(prefix="minipar-offload-", dir=parent)
+        self.files, self.arrays = [], {}
+        try:
+            for key, (shape, dtype) in shapes.items():
+                self.files.append(tempfile.TemporaryFile(dir=self.folder))
+                self.arrays[key] = np.memmap(self.files[-1], dtype=dtype, mode="w+", shape=shape)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        self._closer = weakref.finalize(self, _close_files, self.files)
+
+    def close(self):
+        self.arrays = {}
+        _close_files(self.files)
+
+
+def _close_files(files):
+    for handle in files:
+        handle.close()
+
+
+class Block:
+    """A 2-D array whose rows hold one category each ("params", "grads", "optimizer"), in one tier."""
+
+    def __init__(self, key, data, tier: str, rows: list[str]):
+        self.key, self.data, self.tier, self.rows = key, data, tier, rows
+        self.nbytes = data.nbytes
+
+    def bytes_by_category(self) -> Counter:
+        row_bytes = self.nbytes // len(self.rows)
+        return Counter({category: row_bytes * self.rows.count(category) for category in set(self.rows)})
+
+
+class TieredStore:
+    """Blocks in device, cpu and disk tiers under a device byte budget, moved on use, with eviction."""
+
+    def __init__(self, blocks: dict, rows: list[str], budget_bytes: float | None, lower_tier: str | None,
+                 policy: str = "opt", others=lambda: 0, report=None):
+        if lower_tier not in (None, "cpu", "disk") or policy not in POLICIES:
+            raise ValueError(f"lower tier {lower_tier!r}, policy {policy!r}: choose cpu or disk, lru or opt")
+        self.backend = backend.current()
+        self.budget = math.inf if budget_bytes is None else budget_bytes
+        self.lower, self.policy, self.others, self.report = lower_tier, policy, others, report
+        shapes = {key: (array.shape, array.dtype) for key, array in blocks.items()}
+        self.disk = DiskTier(shapes) if lower_tier == "disk" else None
+        self.blocks = {key: Block(key, array, "device", rows) for key, array in blocks.items()}
+        self.pinned = Counter()
+        self.trace, self.recording, self.positions = [], True, {}  # the accesses of the first step
+        self.clock, self.now, self.tick, self.last_used = 0, -1, 0, {}
+        self.moved, self.counts = Counter(), Counter()
+        self.last_step: dict | None = None
+        for block in self.blocks.values():
+            if self.lower:
+                self._move(block, self.lower, count=False)
+        self.make_room(0)  # with no lower tier every block stays on the device: it must fit
+        self._report()
+
+    # ---- where the bytes are ----
+    def resident(self) -> int:
+        return sum(b.nbytes for b in self.blocks.values() if b.tier == "device")
+
+    def free(self) -> float:
+        return self.budget - self.resident() - self.others()
+
+    def placement(self) -> dict:
+        """{category: {tier: bytes}} of every block."""
+        held = {category: dict.fromkeys(TIERS, 0) for category in ("params", "grads", "optimizer")}
+        for block in self.blocks.values():
+            for category, nbytes in block.bytes_by_category().items():
+                held[category][block.tier] += nbytes
+        return held
+
+    def _report(self):
+        if self.report:
+            for category, tiers in self.placement().items():
+                for tier, nbytes in tiers.items():
+                    self.report(category, nbytes, tier)
+
+    # ---- use, eviction, prefetch ----
+    @contextlib.contextmanager
+    def use(self, key):
+        """The block's array on the device, pinned there until the `with` ends."""
+        block = self.blocks[key]
+        self._record(key)
+        if block.tier != "device":
+            self.make_room(block.nbytes)
+            self._move(block, "device")
+            self.counts["fetches"] += 1
+        self.pinned[key] += 1
+        try:
+            yield block.data
+        finally:
+            self.pinned[key] -= 1
+        self.prefetch()
+
+    def read(self, key) -> np.ndarray:
+        """The block's values as a host array, wherever it lives (no move, not counted as traffic)."""
+        return np.asarray(self.backend.to_host(self.blocks[key].data))
+
+    def make_room(self, nbytes: float):
+        """Evict unpinned blocks until `nbytes` more fit in the budget, or raise MemoryError."""
+        while self.free() < nbytes:
+            candidates = [b for b in self.blocks.values() if b.tier == "device" and not self.pinned[b.key]]
+            if not candidates or self.lower is None:
+                needed = (nbytes - self.free()) / MiB
+                raise MemoryError(f"the device budget of {self.budget / MiB:.3f} MiB is {needed:.3f} MiB "
+                                  f"short: {self.resident() / MiB:.3f} MiB of blocks that cannot move (lower "
+                                  f"tier: {self.lower}) and {self.others() / MiB:.3f} MiB of others")
+            self._move(self.victim(candidates), self.lower)
+            self.counts["evictions"] += 1
+
+    def relieve(self):
+        """The others grew: evict blocks until the device is back within its budget."""
+        if self.free() < 0:
+            self.make_room(0)
+
+    def victim(self, candidates: list[Block]) -> Block:
+        if self.policy == "opt" and self.positions:  # Belady: furthest next use; ties, least recent
+            return max(candidates, key=lambda b: (self.next_use(b.key), -self.last_used.get(b.key, 0)))
+        return min(candidates, key=lambda b: self.last_used.get(b.key, 0))
+
+    def next_use(self, key) -> float:
+        """Accesses from now until `key` is used again, by the trace (the step repeats)."""
+        positions = self.positions.get(key)
+        if not positions:
+            return math.inf
+        now = self.now % len(self.trace)
+        later = bisect.bisect_right(positions, now)
+        return positions[later] - now if later < len(positions) else len(self.trace) - now + positions[0]
+
+    def prefetch(self):
+        """Bring the block the trace uses next to the device, if it fits in the free room."""
+        if not self.positions:
+            return
+        block = self.blocks[self.trace[self.clock % len(self.trace)]]
+        if block.tier != "device" and self.free() >= block.nbytes:
+            self._move(block, "device")
+            self.counts["prefetches"] += 1
+
+    def _record(self, key):
+        self.now, self.clock, self.tick = self.clock, self.clock + 1, self.tick + 1
+        self.last_used[key] = self.tick
+        if self.recording:
+            self.trace.append(key)
+
+    def _move(self, block: Block, tier: str, count: bool = True):
+        if tier == "device":
+            data = self.backend.xp.array(block.data)  # a copy: host -> device
+        elif tier == "cpu":
+            data = np.array(self.backend.to_host(block.data))
+        else:
+            data = self.disk.arrays[block.key]
+            data[...] = self.backend.to_host(block.data)
+        if count:
+            self.moved[f"{block.tier}->{tier}"] += block.nbytes
+        block.data, block.tier = data, tier
+        self._report()
+
+    # ---- steps ----
+    def end_step(self):
+        """A training step ended: the first one's accesses become the trace; its traffic is kept."""
+        if self.recording:
+            self.recording = False
+            for position, key in enumerate(self.trace):
+                self.positions.setdefault(key, []).append(position)
+        self.clock = 0
+        self.last_step = self.traffic()
+        self.moved, self.counts = Counter(), Counter()
+
+    def traffic(self) -> dict:
+        """Bytes moved between tiers, by direction, and the fetches, prefetches and evictions."""
+        return {"moved_bytes": sum(self.moved.values()), "by_direction": dict(self.moved),
+                **{name: self.counts[name] for name in ("fetches", "prefetches", "evictions")}}
+
+    def close(self):
+        if self.disk:
+            self.disk.close()
