@@ -102,7 +102,7 @@ def test_bench_dp_reports_the_ring_bytes_of_a_real_two_rank_run():
     assert two["dp"] == 2 and (grad // 8) % 2 == 0  # an even element count: the ring splits it exactly
     assert two["sent_bytes_per_step"] == two["ring_formula_bytes"] == grad
     assert two["buckets"] > 1 and two["messages_per_step"] == 2 * two["buckets"]
-    assert all(r["tokens_per_s"] > 0 for r in figures["rows"])
+    assert all(r["tokens_per_s"] > 0 for r in figures["rows"]) and two["all_reduce_s"] > 0
 
 
 def test_bench_dp_refuses_sizes_that_do_not_divide_the_batch(capsys):
