@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import sys
 
+from minipar.backend import BACKEND_ENV, name_from_env
 from minipar.config import BACKENDS, EVICTIONS, MODELS, OFFLOADS, PRECISIONS, SCHEDULES, TrainConfig, validate
 
 
@@ -43,7 +44,8 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default=d.optimizer)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--backend", choices=BACKENDS, default=d.backend)
+    p.add_argument("--backend", choices=BACKENDS, default=None,
+                   help=f"array backend (default: ${BACKEND_ENV} if set, else {d.backend})")
     p.add_argument("--n-layer", type=int, default=d.n_layer)
     p.add_argument("--n-head", type=int, default=d.n_head)
     p.add_argument("--d-model", type=int, default=d.d_model)
@@ -59,7 +61,12 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def parse_train_args(argv) -> TrainConfig:
-    args = vars(train_parser().parse_args(argv))
+    parser = train_parser()
+    args = vars(parser.parse_args(argv))
+    if args["backend"] is None:  # the flag wins over the environment
+        args["backend"] = name_from_env()
+        if args["backend"] not in BACKENDS:
+            parser.error(f"{BACKEND_ENV}={args['backend']!r} is not one of {', '.join(BACKENDS)}")
     return TrainConfig(**{f.name: args[f.name] for f in dataclasses.fields(TrainConfig) if f.name in args})
 
 

@@ -1,7 +1,7 @@
 """Comm: the collectives every technique is built from, with a ledger of the bytes each rank sends.
 
 The idea: a thin wrapper over an mpi4py communicator that calls MPI's own fast collectives
-(Allreduce, Reduce_scatter, Allgather, Bcast, Send/Recv) on contiguous host buffers, and charges
+(Allreduce, Reduce_scatter, Allgather, Bcast, Send/Recv) on contiguous buffers, and charges
 each call to a ``TrafficLedger`` by the bandwidth-optimal ring cost per rank (S = payload bytes):
 
     all_reduce      2(N-1)/N * S      (a reduce-scatter followed by an all-gather)
@@ -24,6 +24,9 @@ Messages are counted the same way: N-1 per reduce-scatter or all-gather, 2(N-1) 
 Control helpers (``allreduce_obj``, ``bcast_obj``, ``gather_obj``, ``allgather_obj``) move a few
 pickled bytes to take decisions (loss values, sizes, flags); they are not charged, so the ledger
 shows exactly the payload traffic that the cost model of each technique predicts.
+
+Buffers come from the backend (backend.py): host copies of device arrays, staged after a stream
+synchronisation, or the device arrays themselves when MPI is CUDA-aware (lessons/11_gpu.md).
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import sys
 import traceback
 from collections import Counter
 
-import numpy
 from mpi4py import MPI
 
 from minipar import backend
@@ -112,13 +114,26 @@ def _report(sent: Counter, messages: Counter) -> dict:
             "by_op": dict(by_op), "by_dim": dict(by_dim), "by_dim_op": by_dim_op}
 
 
-def _host(x) -> numpy.ndarray:
-    """x as a C-contiguous NumPy array: the only kind of buffer handed to MPI."""
-    return numpy.asarray(backend.current().to_host(x), order="C")
+def _send_buffer(x, copy: bool = False):
+    """x as a C-contiguous buffer MPI can read: staged to host memory unless MPI is CUDA-aware."""
+    return backend.current().send_buffer(x, copy)
 
 
-def _device(a: numpy.ndarray):
+def _receive_buffer(shape, dtype):
+    return backend.current().receive_buffer(shape, dtype)
+
+
+def _device(a):
     return backend.current().from_host(a)
+
+
+def node_local_rank(mpi_comm) -> int:
+    """This rank's index among the ranks that share its node (MPI's shared-memory split): the GPU
+    it uses, one rank per GPU. Collective over mpi_comm."""
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    rank = node.Get_rank()
+    node.Free()
+    return rank
 
 
 class Comm:
@@ -141,17 +156,17 @@ class Comm:
 
     def all_reduce(self, x, op: str = "sum"):
         """A new array of x's shape: the elementwise op ("sum", "max", "min") over all ranks."""
-        send = _host(x)
-        received = numpy.empty_like(send)
+        send = _send_buffer(x)
+        received = _receive_buffer(send.shape, send.dtype)
         self.mpi.Allreduce(send, received, op=REDUCE_OPS[op])
         self._charge_ring("all_reduce", shard_sizes(send.size, self.size), send.itemsize)
         return _device(received)
 
     def reduce_scatter(self, x, op: str = "sum"):
         """This rank's shard (shard_bounds of the flattened x) of the elementwise op over all ranks."""
-        send = _host(x).reshape(-1)
+        send = _send_buffer(x).reshape(-1)
         counts = shard_sizes(send.size, self.size)
-        received = numpy.empty(counts[self.rank], send.dtype)
+        received = _receive_buffer(counts[self.rank], send.dtype)
         self.mpi.Reduce_scatter(send, received, recvcounts=counts, op=REDUCE_OPS[op])
         self._charge_ring("reduce_scatter", counts, send.itemsize)
         return _device(received)
@@ -162,26 +177,29 @@ class Comm:
         Pass numel (the total) when the shards follow shard_bounds(numel, size, rank): it saves the
         small exchange of shard sizes that uneven shards otherwise need.
         """
-        send = _host(shard).reshape(-1)
-        counts = self.allgather_obj(send.size) if numel is None else shard_sizes(numel, self.size)
-        if counts[self.rank] != send.size:
-            raise ValueError(f"rank {self.rank} holds {send.size} elements, but shard_bounds({numel}, "
+        flat = shard.reshape(-1)
+        counts = self.allgather_obj(flat.size) if numel is None else shard_sizes(numel, self.size)
+        if counts[self.rank] != flat.size:
+            raise ValueError(f"rank {self.rank} holds {flat.size} elements, but shard_bounds({numel}, "
                              f"{self.size}, {self.rank}) says {counts[self.rank]}")
         # Uneven shards are padded to the largest and sent with Allgather, not Allgatherv: MPICH's
         # Allgatherv ran 50x slower (420 ms vs 8 ms for 8 MB on 4 ranks sharing 2 cores).
         widest = max(counts)
-        padded = send if send.size == widest else numpy.concatenate(
-            [send, numpy.zeros(widest - send.size, send.dtype)])
-        received = numpy.empty((self.size, widest), send.dtype)
-        self.mpi.Allgather(padded, received)
+        xp = backend.xp_of(flat)
+        if flat.size != widest:  # padded where the shard lives, before MPI gets the buffer
+            flat = xp.concatenate([flat, xp.zeros(widest - flat.size, flat.dtype)])
+        send = _send_buffer(flat)
+        received = _receive_buffer((self.size, widest), send.dtype)
+        self.mpi.Allgather(send, received)
         self._charge_ring("all_gather", counts, send.itemsize)
         if all(count == widest for count in counts):
             return _device(received.reshape(-1))
-        return _device(numpy.concatenate([row[:count] for row, count in zip(received, counts)]))
+        xp = backend.xp_of(received)
+        return _device(xp.concatenate([row[:count] for row, count in zip(received, counts)]))
 
     def broadcast(self, x, root: int = 0):
         """A new array with root's x; every rank passes an x of the same shape and dtype."""
-        buffer = numpy.array(_host(x), order="C")
+        buffer = _send_buffer(x, copy=True)  # a new buffer: the other ranks receive into it
         self.mpi.Bcast(buffer, root=root)
         forwarded = self.size > 1
         self.ledger.charge(self.name, "broadcast", buffer.nbytes if forwarded else 0, int(forwarded))
@@ -189,7 +207,7 @@ class Comm:
 
     def send(self, x, dest: int, tag: int = 0) -> None:
         """Blocking send of x to rank dest of this communicator."""
-        buffer = _host(x)
+        buffer = _send_buffer(x)
         self.mpi.Send(buffer, dest=dest, tag=tag)
         self.ledger.charge(self.name, "send", buffer.nbytes)
 
@@ -197,14 +215,14 @@ class Comm:
         """Non-blocking send of x to rank dest, charged like send; returns the MPI request to Wait() on.
 
         A pipeline needs it: two neighbours that both block in a large Send would wait for each other."""
-        buffer = _host(x)
+        buffer = _send_buffer(x)
         request = self.mpi.Isend(buffer, dest=dest, tag=tag)  # the request keeps the buffer alive
         self.ledger.charge(self.name, "send", buffer.nbytes)
         return request
 
     def recv(self, shape, dtype, source: int, tag: int = 0):
         """Blocking receive of an array of the given shape and dtype from rank source."""
-        buffer = numpy.empty(shape, dtype)
+        buffer = _receive_buffer(shape, dtype)
         self.mpi.Recv(buffer, source=source, tag=tag)
         return _device(buffer)
 

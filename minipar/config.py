@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from minipar import backend
+
 MODELS = ("gpt", "mlp")
 SCHEDULES = ("naive", "gpipe", "1f1b")
 PRECISIONS = ("fp64", "fp32", "bf16", "fp16")
@@ -120,12 +122,18 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
     return errors
 
 
+def _backend(cfg: TrainConfig) -> list[str]:
+    """--backend cupy needs CuPy and a GPU on this rank (backend.py); numpy always runs."""
+    reason = backend.unavailable(cfg.backend) if cfg.backend == "cupy" else None
+    return [reason] if reason else []
+
+
 def validate(cfg: TrainConfig, world_size: int) -> list[str]:
     """All the problems with this configuration for this world size, as one-line messages."""
     errors = _positive(cfg) + _choices(cfg)
     if errors:
         return errors
-    errors = _layout(cfg.resolved(world_size), world_size)
+    errors = _layout(cfg.resolved(world_size), world_size) + _backend(cfg)
     return errors or _chunked(cfg.resolved(world_size))
 
 

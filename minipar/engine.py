@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minipar import autograd
+from minipar import autograd, backend
 from minipar.data import local_slice
 
 
@@ -25,9 +25,9 @@ class MicrobatchRunner:
         self.model, self.microbatches = model, microbatches
 
     def forward_backward(self, inputs, targets, normaliser: int) -> float:
-        total = 0.0
+        total, to_device = 0.0, backend.current().from_host  # the batch is made on the host
         for x, y in zip(np.array_split(inputs, self.microbatches), np.array_split(targets, self.microbatches)):
-            loss = self.model.loss(self.model(x), y, normaliser)
+            loss = self.model.loss(self.model(to_device(x)), to_device(y), normaliser)
             loss.backward()
             total += loss.item()
         return total
@@ -83,7 +83,8 @@ class Engine:
 
 def local_state(model) -> dict:
     """{name: (shard, array)} for every parameter this rank holds, shards described by `Parameter.shard`."""
-    return {name: (p.shard, np.array(p.data)) for name, p in model.named_parameters()}
+    to_host = backend.current().to_host
+    return {name: (p.shard, np.array(to_host(p.data))) for name, p in model.named_parameters()}
 
 
 def assemble_full_state(pieces: list[dict]) -> dict:

@@ -270,7 +270,7 @@ class Transpose(Function):
         if ctx.axes is None:
             return g.transpose(), None
         axes = [ax % g.ndim for ax in ctx.axes]  # -1 and ndim-1 name the same axis
-        return g.transpose(tuple(int(i) for i in xp_of(g).argsort(axes))), None
+        return g.transpose(tuple(sorted(range(g.ndim), key=axes.__getitem__))), None  # the inverse
 
 
 class GetItem(Function):

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from minipar import backend, report
-from minipar.comm import Comm, ProcessGrid
+from minipar.comm import Comm, ProcessGrid, node_local_rank
 from minipar.config import TrainConfig
 from minipar.data import AdditionTask, RegressionTask
 from minipar.engine import assemble_full_state, local_state
@@ -43,7 +43,10 @@ class Trainer:
     """Owns the engine, the ledgers and the log for one rank."""
 
     def __init__(self, cfg: TrainConfig, world):
-        backend.set_backend(cfg.backend)
+        # One rank per GPU: the device follows the rank's index on its node (a lone process keeps
+        # CUDA's current device).
+        local_rank = node_local_rank(world) if cfg.backend == "cupy" and world.Get_size() > 1 else None
+        backend.set_backend(cfg.backend, local_rank=local_rank)
         self.cfg = cfg
         self.world = Comm(world)
         self.grid = ProcessGrid(self.world, cfg.dp, cfg.pp, cfg.tp)
