@@ -24,12 +24,13 @@ BENCHES = {
     "autograd": "minipar.bench:autograd_main",
     "dp": "minipar.parallel.data_bench:main",
     "pp": "minipar.parallel.pipeline_bench:main",
+    "tp": "minipar.parallel.tensor_bench:main",
     "fusion": "minipar.fusion.bench:main",
     "precision": "minipar.precision_bench:main",
     "layouts": "minipar.parallel.hybrid_bench:main",
     "gpu": "minipar.gpu_bench:main",
 }
-QUICK = ("autograd", "dp", "pp", "fusion", "precision")  # what `bench all` runs (gpu needs a GPU)
+QUICK = ("autograd", "dp", "pp", "tp", "fusion", "precision")  # what `bench all` runs (gpu needs a GPU)
 
 
 def median_time(fn, repeats: int) -> float:

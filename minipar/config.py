@@ -110,9 +110,12 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
         if cfg.d_model % cfg.n_head:
             errors.append(f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}")
         if cfg.n_head % cfg.tp:
-            errors.append(f"--n-head {cfg.n_head} is not divisible by --tp {cfg.tp}")
-    elif cfg.tp > 1 and cfg.d_model % cfg.tp:
-        errors.append(f"--d-model {cfg.d_model} is not divisible by --tp {cfg.tp}")
+            errors.append(f"--tp {cfg.tp} does not divide --n-head {cfg.n_head}: "
+                          "each tensor-parallel rank must own whole attention heads")
+    elif cfg.tp > 1:
+        # MLPNet's layers are separate pipeline units; Megatron's column/row pairing would leave a
+        # split activation at a unit boundary, so tensor parallelism is kept to the GPT.
+        errors.append(f"--tp {cfg.tp} needs --model gpt (tensor parallelism splits the GPT's layers)")
     if cfg.pp > cfg.n_units():
         blocks = f"{cfg.n_layer} layers"
         if cfg.model == "gpt":

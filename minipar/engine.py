@@ -97,7 +97,7 @@ def assemble_full_state(pieces: list[dict]) -> dict:
                 continue
             if name not in full:
                 padded = list(shard.full_shape)
-                padded[shard.axis] = max(padded[shard.axis], shard.stop)
+                padded[shard.axis] = max([padded[shard.axis]] + _stops(pieces, name))
                 full[name] = np.zeros(padded, dtype=array.dtype)
             index = [slice(None)] * array.ndim
             index[shard.axis] = slice(shard.start, shard.stop)
@@ -105,6 +105,11 @@ def assemble_full_state(pieces: list[dict]) -> dict:
     for name, piece_shape in _full_shapes(pieces).items():
         full[name] = full[name][tuple(slice(0, n) for n in piece_shape)]
     return full
+
+
+def _stops(pieces, name) -> list[int]:
+    """Where each rank's shard of `name` ends: past the full shape when the split is padded."""
+    return [piece[name][0].stop for piece in pieces if name in piece]
 
 
 def _full_shapes(pieces):

@@ -16,6 +16,7 @@ from minipar.nn import GPT, GPTConfig, MLPConfig, MLPNet
 from minipar.parallel import pipeline
 from minipar.parallel.chunked_zero import build_chunked_zero3
 from minipar.parallel.data import DistributedDataParallel
+from minipar.parallel.tensor_gpt import TensorParallelGPT
 from minipar.parallel.zero import ZeroStage1, ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
 
@@ -30,7 +31,10 @@ def model_config(cfg):
 def build_model(cfg, grid):
     """The parameters this rank holds, initialised from (seed, name) whatever the layout."""
     mcfg = model_config(cfg)
-    model = GPT(mcfg, seed=None) if cfg.model == "gpt" else MLPNet(mcfg, seed=None)
+    if cfg.tp > 1:  # Megatron tensor parallelism, GPT only (config.validate)
+        model = TensorParallelGPT(mcfg, grid.tp, seed=None)
+    else:
+        model = GPT(mcfg, seed=None) if cfg.model == "gpt" else MLPNet(mcfg, seed=None)
     if cfg.pp > 1:  # keep this stage's units only, under their global names
         model = pipeline.build_stage(model, grid.pp.size, grid.pp_rank)
     return model.init_parameters(cfg.seed)

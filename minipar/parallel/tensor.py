@@ -1,0 +1,254 @@
+"""Tensor parallelism (Megatron-LM): every weight matrix split across the ranks of `grid.tp`.
+
+The idea, as in section 3 of Shoeybi et al. (2019). A linear layer Y = XA can be split two ways:
+
+    by columns  A = [A_1 | A_2]      rank i computes Y_i = X A_i: a slice of Y's columns; needs all of X
+    by rows     A = [A_1 ; A_2],     rank i computes X_i A_i: a partial sum; Y = X_1 A_1 + X_2 A_2
+                X = [X_1 | X_2]
+
+A column split followed by a row split needs nothing in between (the column layer's output slices are
+the row layer's input slices) and one all-reduce at the end: that is `ParallelMLP`, and
+`ParallelAttention` with whole heads on each rank. Two conjugate operators put that communication
+into the autograd graph:
+
+    f  identity forward, all-reduce backward: before a column-parallel layer, so the replicated X
+       receives the gradient contributions of every rank's slice;
+    g  all-reduce forward, identity backward: after a row-parallel layer, summing the partial outputs.
+
+The vocabulary is split too: `VocabParallelEmbedding` (rows of the table; one all-reduce) and
+`vocab_parallel_cross_entropy` (three all-reduces of batch*seq numbers; the (batch, seq, vocab)
+logits are never gathered). Sizes tp does not divide (the vocabulary) are padded with zero rows.
+
+What it saves: each rank holds 1/tp of the weights, gradients and optimizer state of every split
+layer, and does 1/tp of its matmul FLOPs. What it costs: per transformer block two all-reduces of the
+(batch, seq, d_model) activations forward and two backward, on the critical path of every layer:
+that is why tensor parallelism stays inside a node, on the fastest links.
+Lesson: lessons/05_tensor_parallel.md.
+"""
+
+from __future__ import annotations
+
+from minipar import functional as F
+from minipar.autograd import Function
+from minipar.backend import xp_of
+from minipar.nn import Module, Parameter, Shard, causal_attention
+
+# ---- the conjugate operators f and g ---------------------------------------------------------------
+
+
+class CopyToTensorParallel(Function):
+    """f: identity forward; all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad), None
+
+
+class ReduceFromTensorParallel(Function):
+    """g: all-reduce forward (the sum of the ranks' partial results); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return comm.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromTensorParallel(Function):
+    """All-gather of the last axis forward (every rank's columns side by side); backward keeps this
+    rank's columns of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm, ctx.width = comm, x.shape[-1]
+        parts = comm.all_gather(x, numel=x.size * comm.size).reshape(comm.size, *x.shape)
+        return xp_of(x).concatenate(list(parts), axis=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = ctx.comm.rank * ctx.width
+        return grad[..., start : start + ctx.width], None
+
+
+def copy_to_tensor_parallel(x, comm):
+    return CopyToTensorParallel.apply(x, comm)
+
+
+def reduce_from_tensor_parallel(x, comm):
+    return ReduceFromTensorParallel.apply(x, comm)
+
+
+def gather_from_tensor_parallel(x, comm):
+    return GatherFromTensorParallel.apply(x, comm)
+
+
+def partition(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of part `index` when `size` rows are split into `parts` equal parts. When parts
+    does not divide size, the last parts run past the end into zero padding, as Megatron pads its
+    vocabulary: every rank holds a tensor of the same shape."""
+    per_part = -(-size // parts)
+    return index * per_part, (index + 1) * per_part
+
+
+# ---- linear layers ----------------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(Module):
+    """y = x A^T + b with A (out, in) split by output features: this rank computes y[..., start:stop].
+
+    The input is replicated and goes through f, unless the caller already did that (`input_is_copied`:
+    attention shares one f among query, key and value). The output stays split, ready for a
+    row-parallel layer, unless `gather_output` all-gathers it.
+    """
+
+    def __init__(self, in_features, out_features, comm, bias=True, gather_output=False,
+                 input_is_copied=False, std=0.02, dtype="float64"):
+        super().__init__()
+        self.comm, self.out_features = comm, out_features
+        self.gather_output, self.input_is_copied = gather_output, input_is_copied
+        self.start, self.stop = partition(out_features, comm.size, comm.rank)
+        rows = self.stop - self.start
+        self.weight = Parameter((rows, in_features), ("normal", std), dtype,
+                                Shard((out_features, in_features), 0, self.start, self.stop))
+        self.bias = Parameter((rows,), ("zeros",), dtype,
+                              Shard((out_features,), 0, self.start, self.stop)) if bias else None
+
+    def forward(self, x):
+        if not self.input_is_copied:
+            x = copy_to_tensor_parallel(x, self.comm)
+        y = F.linear(x, self.weight, self.bias)
+        if not self.gather_output:
+            return y
+        y = gather_from_tensor_parallel(y, self.comm)
+        padded = y.shape[-1] != self.out_features
+        return y[..., : self.out_features] if padded else y
+
+
+class RowParallelLinear(Module):
+    """y = x A^T + b with A (out, in) split by input features: this rank holds A[:, start:stop], takes
+    the matching slice of x (the split output of a column-parallel layer), computes a partial y and
+    sums the partials with g. The bias is not split: it is added once, after the sum."""
+
+    def __init__(self, in_features, out_features, comm, bias=True, std=0.02, dtype="float64"):
+        super().__init__()
+        if in_features % comm.size:
+            raise ValueError(f"RowParallelLinear: {in_features} inputs do not split over tp={comm.size}")
+        self.comm = comm
+        self.start, self.stop = partition(in_features, comm.size, comm.rank)
+        self.weight = Parameter((out_features, self.stop - self.start), ("normal", std), dtype,
+                                Shard((out_features, in_features), 1, self.start, self.stop))
+        self.bias = Parameter((out_features,), ("zeros",), dtype) if bias else None
+
+    def forward(self, x_parallel):
+        y = reduce_from_tensor_parallel(F.linear(x_parallel, self.weight), self.comm)
+        return y + self.bias if self.bias is not None else y
+
+
+# ---- transformer layers -----------------------------------------------------------------------------
+
+
+class ParallelMLP(Module):
+    """nn.MLP split: fc by columns, proj by rows. One all-reduce forward (g), one backward (f)."""
+
+    def __init__(self, cfg, comm):
+        super().__init__()
+        d = cfg.d_model
+        self.fc = ColumnParallelLinear(d, 4 * d, comm, dtype=cfg.dtype)
+        self.proj = RowParallelLinear(4 * d, d, comm, std=cfg.residual_std, dtype=cfg.dtype)
+        self.activation = F.gelu  # elementwise, so it runs on the split hidden layer as it is
+
+    def forward(self, x):
+        return self.proj(self.activation(self.fc(x)))
+
+
+class ParallelAttention(Module):
+    """nn.CausalSelfAttention split by heads: query, key and value by columns, so this rank owns
+    n_head / tp whole heads and computes their attention alone; proj by rows.
+    One all-reduce forward (g, in proj), one backward (the f shared by query, key and value)."""
+
+    def __init__(self, cfg, comm):
+        super().__init__()
+        if cfg.n_head % comm.size:
+            raise ValueError(f"ParallelAttention: {cfg.n_head} heads do not split over tp={comm.size}")
+        d = cfg.d_model
+        self.comm, self.local_heads = comm, cfg.n_head // comm.size
+        self.query = ColumnParallelLinear(d, d, comm, input_is_copied=True, dtype=cfg.dtype)
+        self.key = ColumnParallelLinear(d, d, comm, input_is_copied=True, dtype=cfg.dtype)
+        self.value = ColumnParallelLinear(d, d, comm, input_is_copied=True, dtype=cfg.dtype)
+        self.proj = RowParallelLinear(d, d, comm, std=cfg.residual_std, dtype=cfg.dtype)
+
+    def forward(self, x):
+        # One f for all three: autograd adds their input gradients locally, then f all-reduces once.
+        x = copy_to_tensor_parallel(x, self.comm)
+        y = causal_attention(self.query(x), self.key(x), self.value(x), self.local_heads)
+        return self.proj(y)
+
+
+# ---- the vocabulary -----------------------------------------------------------------------------------
+
+
+class VocabParallelEmbedding(Module):
+    """nn.Embedding with the rows (the vocabulary) split: this rank looks up the ids in its range,
+    writes zeros for the others, and g sums the ranks' lookups. One all-reduce forward, none backward."""
+
+    def __init__(self, num_embeddings, embedding_dim, comm, std=0.02, dtype="float64"):
+        super().__init__()
+        self.comm = comm
+        self.start, self.stop = partition(num_embeddings, comm.size, comm.rank)
+        self.weight = Parameter((self.stop - self.start, embedding_dim), ("normal", std), dtype,
+                                Shard((num_embeddings, embedding_dim), 0, self.start, self.stop))
+
+    def forward(self, ids):
+        xp = xp_of(self.weight.data)
+        ids = xp.asarray(ids)
+        outside = (ids < self.start) | (ids >= self.stop)
+        rows = F.embedding(xp.where(outside, 0, ids - self.start), self.weight)
+        mine = xp.asarray(~outside[..., None], dtype=self.weight.dtype)
+        return reduce_from_tensor_parallel(rows * mine, self.comm)
+
+
+class VocabParallelCrossEntropy(Function):
+    """Summed cross-entropy of vocab-split logits (N, V/tp) against targets (N,) in the full vocabulary.
+
+    softmax needs the max and the sum of exp over the whole row; each is a reduction of N numbers,
+    and so is the target's logit (found on one rank, zero on the others): three all-reduces of N
+    values instead of gathering N*V. Columns past `vocab_size` (padding) get probability zero.
+    The gradient, softmax minus one-hot, is local: backward sends nothing.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, vocab_size, comm):
+        xp = xp_of(logits)
+        n, width = logits.shape
+        columns = vocab_start + xp.arange(width)
+        logits = xp.where(columns < vocab_size, logits, -xp.inf)
+        row_max = comm.all_reduce(logits.max(axis=-1), op="max")
+        shifted = logits - row_max[:, None]
+        local_target = xp.asarray(targets) - vocab_start
+        mine = (local_target >= 0) & (local_target < width)
+        rows = xp.arange(n)
+        target_logit = comm.all_reduce(xp.where(mine, shifted[rows, xp.where(mine, local_target, 0)], 0))
+        exp = xp.exp(shifted)
+        sum_exp = comm.all_reduce(exp.sum(axis=-1))
+        ctx.save_for_backward(exp / sum_exp[:, None])
+        ctx.target_rows, ctx.target_columns = rows[mine], local_target[mine]
+        return (xp.log(sum_exp) - target_logit).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        (probs,) = ctx.saved
+        grad = probs.copy()
+        grad[ctx.target_rows, ctx.target_columns] -= 1
+        return grad * g, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, vocab_size: int, comm):
+    """Like F.cross_entropy(logits, targets, "sum") for the vocab-split logits this rank holds."""
+    return VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, comm)

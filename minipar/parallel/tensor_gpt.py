@@ -1,0 +1,57 @@
+"""The GPT of nn.py assembled from the tensor-parallel layers of tensor.py.
+
+Same parts, same parameter names ("embed.wte.weight", "blocks.0.attn.query.weight", ...), same
+`units()`: only the layers inside are split, each split parameter carrying its `Shard`, so
+`init_parameters(seed)` cuts this rank's piece from the very tensors the single-process GPT draws,
+and any tp trains the same model. LayerNorms, the position embedding and the row-parallel biases are
+replicated: f and g give them identical gradients on every tp rank. The head leaves the logits split
+by vocabulary, and `loss` is the vocab-parallel cross-entropy, so the full logits never exist anywhere.
+The model talks only over the communicator it is given (`grid.tp`), so pipeline stages and data-parallel
+replicas compose around it. Lesson: lessons/05_tensor_parallel.md.
+"""
+
+from __future__ import annotations
+
+from minipar.nn import Block, GPTConfig, GPTEmbedding, GPTHead, Module, ModuleList
+from minipar.parallel.tensor import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelMLP,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+
+class TensorParallelGPT(Module):
+    """nn.GPT with every weight matrix split over `comm` (Megatron's layout)."""
+
+    def __init__(self, cfg: GPTConfig, comm, seed: int | None = 0):
+        super().__init__()
+        self.config, self.comm = cfg, comm
+        wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, comm, dtype=cfg.dtype)
+        self.embed = GPTEmbedding(cfg, wte=wte)
+        self.blocks = ModuleList([Block(cfg, attn=ParallelAttention(cfg, comm), mlp=ParallelMLP(cfg, comm))
+                                  for _ in range(cfg.n_layer)])
+        lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, comm, bias=False, dtype=cfg.dtype)
+        self.head = GPTHead(cfg, lm_head=lm_head)
+        self.vocab_start = lm_head.start  # the loss needs it even on a pipeline stage without the head
+        if seed is not None:
+            self.init_parameters(seed)
+
+    def units(self):
+        return [("embed", self.embed)] + [(f"blocks.{i}", b) for i, b in enumerate(self.blocks)] + [
+            ("head", self.head)
+        ]
+
+    def forward(self, ids):
+        x = ids
+        for _, unit in self.units():
+            x = unit(x)
+        return x
+
+    def loss(self, logits, targets, normaliser: int):
+        """Summed token cross-entropy over the vocab-split logits, divided by the global token count."""
+        width = logits.shape[-1]
+        total = vocab_parallel_cross_entropy(logits.reshape(-1, width), targets.reshape(-1), self.vocab_start,
+                                             self.config.vocab_size, self.comm)
+        return total * (1.0 / normaliser)
