@@ -123,7 +123,10 @@ class Tensor:
                 if parent.node is None:  # a leaf: accumulate now, as PyTorch's AccumulateGrad does, so
                     parent.grad = pg if parent.grad is None else parent.grad + pg  # later hooks see it
                     continue
-                grads[id(parent)] = pg if id(parent) not in grads else grads[id(parent)] + pg
+                if id(parent) in grads:  # used by several ops: the gradients add, an op like any other
+                    pg = grads[id(parent)] + pg
+                    pg = _output_cast(pg) if _output_cast is not None else pg
+                grads[id(parent)] = pg
 
     # Operators map onto minipar.functional (imported lazily: functional builds on this module).
     def __add__(self, other):

@@ -30,6 +30,7 @@ class TrainConfig:
     microbatches: int = 1
     schedule: str = "1f1b"
     precision: str = "fp32"
+    loss_scaling: bool = True  # fp16: a dynamic loss scaler (mixed_precision.py); False trains without
     offload: str = "none"
     device_mem_mb: float | None = None
     chunk_mb: float | None = None
@@ -131,12 +132,29 @@ def _backend(cfg: TrainConfig) -> list[str]:
     return [reason] if reason else []
 
 
+def _precision(cfg: TrainConfig) -> list[str]:
+    """What mixed precision (bf16, fp16) composes with: see minipar/mixed_precision.py."""
+    if cfg.precision not in ("bf16", "fp16"):
+        return []
+    errors = []
+    if cfg.backend != "numpy":
+        errors.append(f"--precision {cfg.precision} emulates the 16-bit format in NumPy: use --backend numpy")
+    chunked = cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None
+    if cfg.zero == 3 or chunked:
+        errors.append(f"--precision {cfg.precision} does not support --zero 3 or chunked offload: they "
+                      "gather the fp32 parameters during forward, after the 16-bit working copy is made")
+    elif cfg.precision == "fp16" and cfg.loss_scaling and cfg.zero:
+        errors.append(f"--precision fp16 with --zero {cfg.zero}: the loss scaler checks all gradients "
+                      "before one optimizer step, and ZeRO updates shard by shard; use bf16 or --zero 0")
+    return errors
+
+
 def validate(cfg: TrainConfig, world_size: int) -> list[str]:
     """All the problems with this configuration for this world size, as one-line messages."""
     errors = _positive(cfg) + _choices(cfg)
     if errors:
         return errors
-    errors = _layout(cfg.resolved(world_size), world_size) + _backend(cfg)
+    errors = _layout(cfg.resolved(world_size), world_size) + _precision(cfg) + _backend(cfg)
     return errors or _chunked(cfg.resolved(world_size))
 
 

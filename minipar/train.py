@@ -90,6 +90,9 @@ class Trainer:
         tier_traffic = getattr(self.engine.updater, "tier_traffic", None)
         if tier_traffic:  # bytes moved between device, cpu and disk this step (chunked_zero.py)
             record["offload"] = tier_traffic
+        loss_scaling = getattr(self.engine.runner, "log_record", lambda: None)()
+        if loss_scaling:  # fp16: this step's loss scale and whether it was skipped (mixed_precision.py)
+            record["loss_scaling"] = loss_scaling
         return record
 
     def run(self) -> list[dict]:

@@ -92,10 +92,12 @@ class DistributedDataParallel(LocalUpdater):
     parallelism: each (pp, tp) position all-reduces its own parameters with its dp replicas.
     """
 
-    def __init__(self, model, optimizer, comm, bucket_mb: float):
+    def __init__(self, model, optimizer, comm, bucket_mb: float, all_reduce=None):
         super().__init__(model, optimizer)
         check_replicas_identical(model, comm)
         self.comm = comm
+        # How a bucket is summed: Comm's all-reduce, or mixed precision's ring on a 16-bit wire.
+        self.all_reduce = all_reduce or comm.all_reduce
         self.buckets = plan_buckets(model.parameters(), int(bucket_mb * MiB))
         self.names = {id(p): name for name, p in model.named_parameters()}
 
@@ -119,7 +121,7 @@ class DistributedDataParallel(LocalUpdater):
             flat = flatten([p.grad for p in bucket])
             for p in bucket:
                 p.grad = None
-            for p, grad in zip(bucket, unflatten(self.comm.all_reduce(flat), shapes)):
+            for p, grad in zip(bucket, unflatten(self.all_reduce(flat), shapes)):
                 p.grad = grad
 
     def memory(self) -> dict:

@@ -9,7 +9,7 @@ data.py / zero.py how gradients are combined across replicas. Lesson: lessons/07
 
 from __future__ import annotations
 
-from minipar import optim
+from minipar import mixed_precision, optim
 from minipar.data import AdditionTask
 from minipar.engine import Engine, LocalUpdater, MicrobatchRunner
 from minipar.nn import GPT, GPTConfig, MLPConfig, MLPNet
@@ -60,10 +60,14 @@ def build_updater(cfg, grid, model):
         return stage(model, build_optimizer(cfg, []), grid.dp)
     if cfg.zero == 0 and grid.dp.size > 1:
         optimizer = build_optimizer(cfg, model.parameters())
-        return DistributedDataParallel(model, optimizer, grid.dp, cfg.bucket_mb)
+        return DistributedDataParallel(model, optimizer, grid.dp, cfg.bucket_mb,
+                                       mixed_precision.gradient_all_reduce(cfg.precision, grid.dp))
     return LocalUpdater(model, build_optimizer(cfg, model.parameters()))
 
 
 def build_engine(cfg, grid) -> Engine:
     model = build_model(cfg, grid)
-    return Engine(cfg, grid, model, build_runner(cfg, grid, model), build_updater(cfg, grid, model))
+    runner, updater = build_runner(cfg, grid, model), build_updater(cfg, grid, model)
+    # bf16/fp16: 16-bit working weights and activations over the fp32 masters, fp16 loss scaling
+    runner, updater = mixed_precision.wrap_engine(cfg, model, runner, updater, grid.world)
+    return Engine(cfg, grid, model, runner, updater)
