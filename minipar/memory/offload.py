@@ -86,12 +86,13 @@ class TieredStore:
     """Blocks in device, cpu and disk tiers under a device byte budget, moved on use, with eviction."""
 
     def __init__(self, blocks: dict, rows: list[str], budget_bytes: float | None, lower_tier: str | None,
-                 policy: str = "opt", others=lambda: 0, report=None):
+                 policy: str = "opt", others=lambda: 0, report=None, prefetch: bool = True):
         if lower_tier not in (None, "cpu", "disk") or policy not in POLICIES:
             raise ValueError(f"lower tier {lower_tier!r}, policy {policy!r}: choose cpu or disk, lru or opt")
         self.backend = backend.current()
         self.budget = math.inf if budget_bytes is None else budget_bytes
         self.lower, self.policy, self.others, self.report = lower_tier, policy, others, report
+        self.prefetching = prefetch
         shapes = {key: (array.shape, array.dtype) for key, array in blocks.items()}
         self.disk = DiskTier(shapes) if lower_tier == "disk" else None
         self.blocks = {key: Block(key, array, "device", rows) for key, array in blocks.items()}
@@ -181,7 +182,7 @@ class TieredStore:
 
     def prefetch(self):
         """Bring the block the trace uses next to the device, if it fits in the free room."""
-        if not self.positions:
+        if not (self.prefetching and self.positions):
             return
         block = self.blocks[self.trace[self.clock % len(self.trace)]]
         if block.tier != "device" and self.free() >= block.nbytes:
@@ -193,6 +194,8 @@ class TieredStore:
         self.last_used[key] = self.tick
         if self.recording:
             self.trace.append(key)
+        elif key != self.trace[self.now % len(self.trace)]:
+            self.counts["off_trace"] += 1  # OPT's future was wrong here (a forward outside training, say)
 
     def _move(self, block: Block, tier: str, count: bool = True):
         if tier == "device":
@@ -221,7 +224,7 @@ class TieredStore:
     def traffic(self) -> dict:
         """Bytes moved between tiers, by direction, and the fetches, prefetches and evictions."""
         return {"moved_bytes": sum(self.moved.values()), "by_direction": dict(self.moved),
-                **{name: self.counts[name] for name in ("fetches", "prefetches", "evictions")}}
+                **{name: self.counts[name] for name in ("fetches", "prefetches", "evictions", "off_trace")}}
 
     def close(self):
         if self.disk:
