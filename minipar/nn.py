@@ -224,7 +224,9 @@ class CausalSelfAttention(Module):
         d = cfg.d_model
         self.n_head = cfg.n_head
         self.query = Linear(d, d, dtype=cfg.dtype)
-        self.key = Linear(d, d, dtype=cfg.dtype)
+        # No key bias: softmax is blind to a shift shared by all keys, so its gradient would be pure
+        # roundoff, which Adam's normalisation turns into lr-sized noise that differs by layout.
+        self.key = Linear(d, d, bias=False, dtype=cfg.dtype)
         self.value = Linear(d, d, dtype=cfg.dtype)
         self.proj = Linear(d, d, std=cfg.residual_std, dtype=cfg.dtype)
 

@@ -68,7 +68,8 @@ def test_gpt_forward_shapes_and_units():
     assert names["embed.wpe.weight"].shape == (4, 8)
     assert names["blocks.1.mlp.fc.weight"].shape == (32, 8)  # Linear weight is (out, in), as in PyTorch
     assert names["head.lm_head.weight"].shape == (13, 8) and "head.lm_head.bias" not in names
-    assert len(names) == 2 + 2 * 16 + 3
+    assert len(names) == 2 + 2 * 15 + 3  # 15 per block: the key projection has no bias
+    assert "blocks.0.attn.key.bias" not in names
 
 
 @settings(max_examples=4, deadline=None)

@@ -180,7 +180,7 @@ class ParallelAttention(Module):
         d = cfg.d_model
         self.comm, self.local_heads = comm, cfg.n_head // comm.size
         self.query = ColumnParallelLinear(d, d, comm, input_is_copied=True, dtype=cfg.dtype)
-        self.key = ColumnParallelLinear(d, d, comm, input_is_copied=True, dtype=cfg.dtype)
+        self.key = ColumnParallelLinear(d, d, comm, bias=False, input_is_copied=True, dtype=cfg.dtype)
         self.value = ColumnParallelLinear(d, d, comm, input_is_copied=True, dtype=cfg.dtype)
         self.proj = RowParallelLinear(d, d, comm, std=cfg.residual_std, dtype=cfg.dtype)
 
