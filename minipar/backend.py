@@ -69,11 +69,11 @@ class Backend:
         device array itself when MPI is CUDA-aware. copy=True: always a new buffer (a broadcast
         receives into it)."""
         if self.cuda_aware and isinstance(a, self.xp.ndarray):
-            a = self.xp.array(a, order="C") if copy else self.xp.ascontiguousarray(a)
+            a = self.xp.array(a, order="C") if copy else self.xp.asarray(a, order="C")
             self.sync()  # MPI reads the memory outside the stream: queued kernels must be done
             return a
         host = self.to_host(a)
-        return numpy.array(host, order="C") if copy else numpy.ascontiguousarray(host)
+        return numpy.array(host, order="C") if copy else numpy.asarray(host, order="C")
 
     def receive_buffer(self, shape, dtype):
         """An empty buffer for MPI to write into: in device memory only when MPI is CUDA-aware."""

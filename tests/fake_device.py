@@ -172,8 +172,9 @@ class ndarray(NDArrayOperatorsMixin):  # noqa: N801 - CuPy's name
 
 
 def asarray(a, dtype=None, order=None):
-    if isinstance(a, ndarray):
-        return a if dtype is None or numpy.dtype(dtype) == a.dtype else ndarray(a._memory.astype(dtype))
+    if isinstance(a, ndarray):  # a new array only where the dtype or the order asks for one
+        memory = numpy.asarray(a._memory, dtype=dtype, order=order)
+        return a if memory is a._memory else ndarray(memory)
     STATE.copies["to_device"] += 1
     return ndarray(numpy.array(a, dtype=dtype, order=order or "K"))
 
@@ -187,16 +188,6 @@ def array(obj, dtype=None, copy=True, order="K"):
 
 def asnumpy(a, stream=None, order="C"):
     return a.get() if isinstance(a, ndarray) else numpy.asarray(a, order=order)
-
-
-def ascontiguousarray(a, dtype=None):
-    if not isinstance(a, ndarray):
-        raise TypeError(f"Unsupported type {type(a)} in ascontiguousarray")
-    return ndarray(numpy.ascontiguousarray(a._memory, dtype=dtype))
-
-
-def get_array_module(*arrays):
-    return sys.modules[__name__] if any(isinstance(a, ndarray) for a in arrays) else numpy
 
 
 def _numpy_function(name: str):
@@ -243,7 +234,7 @@ def _module() -> types.ModuleType:
     """The fake as a module named cupy: the functions above, NumPy's ufuncs (which dispatch to
     ndarray.__array_ufunc__), NumPy's constants and types, and every other NumPy function wrapped."""
     fake = types.ModuleType("cupy", __doc__)
-    for name in ("ndarray", "asarray", "array", "asnumpy", "ascontiguousarray", "get_array_module"):
+    for name in ("ndarray", "asarray", "array", "asnumpy"):
         setattr(fake, name, globals()[name])
     runtime = types.SimpleNamespace(getDeviceCount=_device_count, CUDARuntimeError=_CUDARuntimeError)
     fake.cuda = types.SimpleNamespace(runtime=runtime, Device=_DeviceHandle,
