@@ -71,7 +71,8 @@ def parse_train_args(argv) -> TrainConfig:
 
 
 def fail(prog: str, message: str) -> int:
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"{prog}: error: {message}\n")  # one write, so ranks' lines do not interleave
+    sys.stderr.flush()
     return 2
 
 

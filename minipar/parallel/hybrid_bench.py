@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from minipar.cli import parse_train_args
+from minipar.config import validate
 from minipar.parallel.data_bench import run_train
 
 
@@ -69,11 +71,21 @@ def main(argv) -> int:
         print("minipar bench layouts: error: --ranks must be positive and --steps exceed --warmup",
               file=sys.stderr)
         return 2
+    layouts, skipped = [], []
+    for dp, pp, tp in factorisations(args.ranks):
+        cfg = parse_train_args([*train_args, "--dp", str(dp), "--pp", str(pp), "--tp", str(tp)])
+        errors = validate(cfg, args.ranks)
+        if errors:
+            skipped.append(f"  dp={dp} pp={pp} tp={tp}: {errors[0]}")
+        else:
+            layouts.append((dp, pp, tp))
     with tempfile.TemporaryDirectory() as folder:
         rows = [measure_layout(args.ranks, layout, args.steps, args.warmup, args.zero, train_args, folder)
-                for layout in factorisations(args.ranks)]
+                for layout in layouts]
     header = (f"{args.ranks} ranks, minipar train {' '.join(train_args)} --zero {args.zero}; "
               "rank 0's figures, "
               f"medians over {args.steps - args.warmup} steps after {args.warmup} warm-up")
+    if skipped and not args.json:
+        header += "\nnot possible with this model:\n" + "\n".join(skipped)
     print(json.dumps(rows) if args.json else render(rows, header), flush=True)
     return 0
