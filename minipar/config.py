@@ -8,7 +8,9 @@ Lesson: lessons/12_reliability.md.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from minipar import backend
 
@@ -155,7 +157,7 @@ def validate(cfg: TrainConfig, world_size: int) -> list[str]:
     if errors:
         return errors
     errors = _layout(cfg.resolved(world_size), world_size) + _precision(cfg) + _backend(cfg)
-    return errors or _chunked(cfg.resolved(world_size))
+    return errors or _chunked(cfg.resolved(world_size)) or _paths(cfg)
 
 
 def _chunked(cfg: TrainConfig) -> list[str]:
@@ -165,3 +167,30 @@ def _chunked(cfg: TrainConfig) -> list[str]:
     from minipar.parallel.chunked_zero import config_errors
 
     return config_errors(cfg)
+
+
+def _paths(cfg: TrainConfig) -> list[str]:
+    """--log and --save must be writable where they point; --resume must be a checkpoint of this model."""
+    errors = []
+    if cfg.log is not None and Path(cfg.log).is_dir():
+        errors.append(f"--log {cfg.log} is a directory, not a file")
+    elif cfg.log is not None:
+        errors += _writable("--log", cfg.log, Path(cfg.log).parent)  # the log's folder must exist
+    if cfg.save is not None and Path(cfg.save).exists() and not Path(cfg.save).is_dir():
+        errors.append(f"--save {cfg.save} is a file, not a directory")
+    elif cfg.save is not None:
+        existing = next(p for p in [Path(cfg.save), *Path(cfg.save).absolute().parents] if p.exists())
+        errors += _writable("--save", cfg.save, existing)  # missing folders are created
+    if errors or cfg.resume is None:
+        return errors
+    from minipar import checkpoint
+
+    return checkpoint.problems(cfg)
+
+
+def _writable(option: str, path: str, folder: Path) -> list[str]:
+    if not folder.is_dir():
+        return [f"{option} {path}: the folder {folder} does not exist"]
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return [f"{option} {path}: the folder {folder} is not writable"]
+    return []

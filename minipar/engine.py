@@ -16,6 +16,7 @@ import numpy as np
 
 from minipar import autograd, backend
 from minipar.data import local_slice
+from minipar.logical_state import load_whole, whole_pieces
 
 
 class MicrobatchRunner:
@@ -50,6 +51,14 @@ class LocalUpdater:
             "grads": sum(p.grad.nbytes for p in params if p.grad is not None),
             "optimizer": self.optimizer.state_bytes(),
         }
+
+    def checkpoint_pieces(self) -> dict:
+        """{name: {kind: (Piece, array)}}: the parameters this rank holds and their optimizer state."""
+        return whole_pieces(self.model.named_parameters(), self.optimizer)
+
+    def load_logical(self, state) -> None:
+        """Take the parameters and optimizer state from a checkpoint's logical tensors (checkpoint.py)."""
+        load_whole(self.model.named_parameters(), self.optimizer, state)
 
 
 class Engine:

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from minipar import backend, report
+from minipar import backend, checkpoint, report
 from minipar.comm import Comm, ProcessGrid, node_local_rank
 from minipar.config import TrainConfig
 from minipar.data import AdditionTask, RegressionTask
@@ -32,11 +32,10 @@ def make_task(cfg: TrainConfig):
 
 def inject_fault(rank: int, step: int):
     """Raise on the rank and at the step named by MINIPAR_FAULT=rank:R,step:S (tests that a job aborts)."""
-    spec = os.environ.get("MINIPAR_FAULT")
-    if spec:
-        fault = {key: int(value) for key, value in (part.split(":") for part in spec.split(","))}
-        if fault["rank"] == rank and fault["step"] == step:
-            raise RuntimeError(f"injected fault on rank {rank} at step {step} (MINIPAR_FAULT={spec})")
+    spec = os.environ.get("MINIPAR_FAULT", "")
+    fault = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)  # checkpoint.py reads save:
+    if fault.get("rank") == str(rank) and fault.get("step") == str(step):
+        raise RuntimeError(f"injected fault on rank {rank} at step {step} (MINIPAR_FAULT={spec})")
 
 
 class Trainer:
@@ -55,7 +54,8 @@ class Trainer:
         if self.is_rank0 and not cfg.quiet and self.world.size > 1:
             print(self.grid.describe(), flush=True)
         self.task = make_task(cfg)
-        self.start_step = 0
+        # --resume: the state of step N from a checkpoint of any layout; the run continues at step N
+        self.start_step = checkpoint.load(cfg.resume, self) if cfg.resume else 0
         self.records = []
 
     @property
@@ -108,6 +108,8 @@ class Trainer:
         finally:
             if log:
                 log.close()
+        if self.cfg.save:
+            checkpoint.save(self.cfg.save, self, self.cfg.steps)
         return self.records
 
     def progress(self, record: dict):
@@ -140,7 +142,9 @@ def reference_run(cfg: TrainConfig):
 
 def compare_with_reference(cfg: TrainConfig, records: list[dict], full: dict) -> dict:
     losses, ref_state = reference_run(cfg)
-    loss_dev = max(abs(r["loss"] - l) / max(abs(l), 1e-30) for r, l in zip(records, losses))
+    # a resumed run's records start at its checkpoint's step
+    loss_dev = max((abs(r["loss"] - losses[r["step"]]) / max(abs(losses[r["step"]]), 1e-30) for r in records),
+                   default=0.0)
     # |ref| is floored at 1e-3: a weight whose true gradient is exactly zero (the attention key bias:
     # softmax ignores a shift shared by all keys) holds only roundoff (~1e-15), beyond any relative measure.
     weight_dev = max(

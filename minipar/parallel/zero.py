@@ -25,6 +25,7 @@ from __future__ import annotations
 from minipar import autograd
 from minipar.autograd import Function, Tensor
 from minipar.backend import xp_of
+from minipar.logical_state import flat_unit_buffer, flat_unit_pieces
 from minipar.memory.ledger import buffer_meter
 from minipar.parallel.data import check_replicas_identical, unflatten
 
@@ -154,6 +155,24 @@ class ZeroStage1:
         """Model-state bytes this rank holds after the step (temporary buffers go to `buffer_meter`)."""
         optimizer = sum(a.nbytes for u in self.units for a in u.state.values() if hasattr(a, "nbytes"))
         return {"params": self.params_bytes(), "grads": self.grads_bytes(), "optimizer": optimizer}
+
+    def checkpoint_pieces(self) -> dict:
+        """{name: {kind: (Piece, array)}}: this rank's slice of each unit's parameters and optimizer state."""
+        return {name: kinds for unit in self.units
+                for name, kinds in flat_unit_pieces(unit, {"param": unit.param_shard, **unit.state}).items()}
+
+    def load_logical(self, state) -> None:
+        """Cut this rank's slices from a checkpoint's logical tensors (checkpoint.py); no communication."""
+        for unit in self.units:
+            params = flat_unit_buffer(unit, state, "param")
+            if unit.flat is not None:  # held whole between steps (stages 1 and 2): param_shard is a view
+                unit.flat[...] = params
+            unit.param_shard[...] = params[unit.start : unit.stop]
+            for kind, value in unit.state.items():
+                if hasattr(value, "shape"):
+                    value[...] = flat_unit_buffer(unit, state, kind)[unit.start : unit.stop]
+                else:  # the step count, the same for every parameter of the unit
+                    unit.state[kind] = int(state[unit.names[0]][kind])
 
     def params_bytes(self) -> int:
         return sum(u.flat.nbytes for u in self.units)
