@@ -276,3 +276,18 @@ def test_every_layout_trains_on_the_device_to_the_single_process_numbers(
     if comm.rank == 0:
         check = train.compare_with_reference(cfg, records, state)
         assert check["max_rel_loss_deviation"] <= 1e-9 and check["max_rel_weight_deviation"] <= 1e-9, check
+
+
+def test_a_checkpoint_saved_on_the_device_resumes_on_numpy_and_back(tmp_path):
+    cfg = tiny(dp=1, steps=2)
+    with fake_cupy():
+        train.train(cfg.replace(backend="cupy", save=str(tmp_path / "device")), MPI.COMM_SELF)
+    train.train(cfg.replace(save=str(tmp_path / "host")), MPI.COMM_SELF)
+    resumed = {}
+    for saved_on in ("device", "host"):
+        for backend_name in ("numpy", "cupy"):
+            with fake_cupy():
+                run = cfg.replace(backend=backend_name, resume=str(tmp_path / saved_on), steps=4)
+                resumed[saved_on, backend_name] = [r["loss"] for r in train.train(run, MPI.COMM_SELF)]
+    losses, _ = train.reference_run(cfg.replace(steps=4))
+    assert all(found == losses[2:] for found in resumed.values()), (resumed, losses)
