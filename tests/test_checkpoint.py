@@ -59,9 +59,12 @@ def test_pieces_of_any_layout_assemble_to_the_full_tensor(shape, tp, dp, axis_ch
 # ---- resume equals an uninterrupted run: one process ------------------------------------------------
 
 
-def run(cfg: TrainConfig, comm=MPI.COMM_SELF):
+def run(cfg: TrainConfig, comm=MPI.COMM_SELF, loss_scale=None):
     """(records, full weights on the comm's rank 0) of a run in cfg's layout over comm."""
     trainer = train.Trainer(cfg.resolved(comm.Get_size()), comm)
+    if loss_scale:  # fp16: start the scaler at this scale
+        scaler = trainer.engine.updater.optimizer.scaler
+        scaler.load_state_dict({**scaler.state_dict(), "scale": loss_scale})
     try:
         records = trainer.run()
         return records, trainer.full_state()
@@ -80,6 +83,23 @@ def test_resume_on_one_process_is_bitwise_the_uninterrupted_run(tmp_path, model,
     assert [r["step"] for r in first + rest] == list(range(cfg.steps))
     assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]
     assert state.keys() == whole_state.keys()
+    for name in state:
+        np.testing.assert_array_equal(state[name], whole_state[name], err_msg=name)
+
+
+@pytest.mark.parametrize("saved_at", [1, 4])
+def test_fp16_resume_carries_the_loss_scaler(tmp_path, saved_at):
+    """Started at a loss scale of 2^21, fp16 gradients overflow: the first three steps are skipped and
+    the scale halves each time. The checkpoint carries the scale (and, after skipped steps, AdamW's
+    lower step count), so the resumed run skips and steps exactly as the uninterrupted one."""
+    cfg = TINY.replace(precision="fp16", steps=6)
+    whole, whole_state = run(cfg, loss_scale=2.0**21)
+    first, _ = run(cfg.replace(steps=saved_at, save=str(tmp_path)), loss_scale=2.0**21)
+    scaler = json.loads((tmp_path / "manifest.json").read_text())["loss_scaler"]
+    rest, state = run(cfg.replace(resume=str(tmp_path)))
+    assert scaler["scale"] == 2.0 ** (21 - min(saved_at, 3))
+    assert [r["loss_scaling"] for r in first + rest] == [r["loss_scaling"] for r in whole]
+    assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]
     for name in state:
         np.testing.assert_array_equal(state[name], whole_state[name], err_msg=name)
 
@@ -223,10 +243,16 @@ def test_resume_in_another_layout_trains_like_one_process(saved, resumed, saved_
             shutil.rmtree(directory)
 
 
-@mpi_given(max_examples=6, layout=st.sampled_from([lay for lay in LAYOUTS if lay[0] == WORLD.size]),
-           saved_at=st.integers(1, 3))
-def test_resume_in_the_same_layout_is_bitwise_the_uninterrupted_run(layout, saved_at):
-    directory, cfg = shared_directory(), configured(TINY, layout)
+SAME_WORLD = [(layout, precision) for layout in LAYOUTS if layout[0] == WORLD.size
+              for precision in ("fp64", "bf16", "fp16")
+              if not validate(configured(TINY, layout).replace(precision=precision), WORLD.size)]
+
+
+@mpi_given(max_examples=6, case=st.sampled_from(SAME_WORLD), saved_at=st.integers(1, 3))
+def test_resume_in_the_same_layout_is_bitwise_the_uninterrupted_run(case, saved_at):
+    """Any precision: mixed precision's fp32 masters are the parameters, and fp16's scaler is saved."""
+    layout, precision = case
+    directory, cfg = shared_directory(), configured(TINY, layout).replace(precision=precision)
     try:
         whole, whole_state = run(cfg, WORLD)
         first, _ = run(cfg.replace(steps=saved_at, save=str(directory)), WORLD)
