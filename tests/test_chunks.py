@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_harness import mpi_given, mpi_test
 
-from minipar import train
+from minipar import autograd, train
 from minipar.config import TrainConfig, validate
 from minipar.memory.chunks import (
     LEGAL_TRANSITIONS,
@@ -27,6 +27,7 @@ from minipar.memory.chunks import (
     pack_in_chunks,
     search_chunk_size,
 )
+from minipar.memory.ledger import buffer_meter
 from minipar.parallel import hybrid
 from minipar.parallel.chunked_zero import ChunkedZero3, chunk_numel_for, device_bytes_needed
 from minipar.parallel.zero import padded_numel
@@ -80,6 +81,13 @@ def packed_by_hand(sizes, chunk_numel) -> list[list[int]]:
 
 sizes_strategy = st.lists(st.integers(1, 60), min_size=1, max_size=25)
 
+
+
+@pytest.fixture(autouse=True)
+def clean_meters():
+    """Budgets count live activations: start from none (a test that ran a forward without a backward
+    leaves its saved tensors counted in the process-wide meter)."""
+    autograd.activation_meter.current = buffer_meter.current = 0
 
 # ---- serial: packing and the search ----
 
@@ -173,6 +181,18 @@ def test_one_rank_trains_to_the_reference_and_leaves_every_tensor_free(offload):
         assert chunk.payload is None and chunk.all_in(TensorState.FREE)
     assert all(p.data.size == 0 and p.grad is None for p in trainer.engine.model.parameters())
     assert all(r["offload"]["off_trace"] == 0 for r in records)
+
+
+def test_every_gathered_buffer_has_the_chunk_size_and_each_unit_hands_over_its_gradients_once():
+    cfg = tiny(dp=1, steps=2, chunk_mb=0.004)
+    trainer = train.Trainer(cfg, MPI.COMM_SELF)
+    records = trainer.run()
+    chunks = trainer.engine.updater.chunks
+    model = hybrid.build_model(cfg.replace(chunk_mb=None), None)
+    unit_grads = {8 * sum(p.size for p in module.parameters()) for _, module in model.units()}
+    for record in records:  # the ledger counts temporary buffers and their sizes
+        assert record["mem"]["buffer_allocations"] == 2 * len(chunks) + len(model.units())
+        assert record["mem"]["buffer_sizes"] == len(unit_grads | {chunks[0].nbytes})
 
 
 def test_a_forward_outside_training_gathers_and_releases_chunk_by_chunk():

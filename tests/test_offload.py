@@ -20,19 +20,27 @@ from mpi4py import MPI
 from mpi_harness import mpi_test
 from test_chunks import MODELS, assert_matches_reference, tight_budget_mb, tiny
 
-from minipar import train
+from minipar import autograd, train
 from minipar.config import validate
+from minipar.memory.ledger import buffer_meter
 from minipar.memory.offload import DiskTier, TieredStore
 
-ROWS = ["params", "grads", "optimizer", "optimizer"]
 BLOCK_NUMEL = 6
-BLOCK_BYTES = len(ROWS) * BLOCK_NUMEL * 8
+BLOCK_BYTES = BLOCK_NUMEL * 8
+CATEGORIES = ("params", "grads", "optimizer")
 
 
 def store_of(blocks: int, capacity: int, lower: str, policy: str, others=lambda: 0, prefetch=True):
-    arrays = {key: np.full((len(ROWS), BLOCK_NUMEL), float(key)) for key in range(blocks)}
-    return TieredStore(arrays, ROWS, capacity * BLOCK_BYTES, lower, policy, others=others, prefetch=prefetch)
+    arrays = {key: (np.full(BLOCK_NUMEL, float(key)), CATEGORIES[key % 3]) for key in range(blocks)}
+    return TieredStore(arrays, capacity * BLOCK_BYTES, lower, policy, others=others, prefetch=prefetch)
 
+
+
+@pytest.fixture(autouse=True)
+def clean_meters():
+    """Budgets count live activations: start from none (a test that ran a forward without a backward
+    leaves its saved tensors counted in the process-wide meter)."""
+    autograd.activation_meter.current = buffer_meter.current = 0
 
 # ---- serial: the store ----
 
@@ -44,10 +52,10 @@ def test_blocks_keep_their_values_through_every_tier_and_the_budget_holds(blocks
                                                                           step, steps, seed):
     rng = np.random.default_rng(seed)
     store = store_of(blocks, capacity, lower, policy)
-    shadow = {key: np.full((len(ROWS), BLOCK_NUMEL), float(key)) for key in range(blocks)}
+    shadow = {key: np.full(BLOCK_NUMEL, float(key)) for key in range(blocks)}
     for _ in range(steps):
         for key in (k % blocks for k in step):
-            with store.use(key) as data:
+            with store.use(key) as (data,):
                 assert store.blocks[key].tier == "device" and store.resident() <= capacity * BLOCK_BYTES
                 change = rng.standard_normal(data.shape)
                 data += change
@@ -112,7 +120,12 @@ def test_others_that_outgrow_the_budget_evict_blocks_then_raise_rather_than_over
     for key in range(3):
         with store.use(key):
             pass
-    others[0] = 2 * BLOCK_BYTES  # activations grew: two blocks must go
+    store.end_step()
+    others[0] = 2 * BLOCK_BYTES  # activations grew: two blocks must go, but only during a step
+    store.relieve()
+    assert store.resident() == 3 * BLOCK_BYTES
+    with store.use(0):  # a step has begun
+        pass
     store.relieve()
     assert store.resident() == BLOCK_BYTES and store.traffic()["evictions"] == 2
     others[0] = 3 * BLOCK_BYTES + 1
@@ -121,6 +134,10 @@ def test_others_that_outgrow_the_budget_evict_blocks_then_raise_rather_than_over
     pinned = store_of(1, 1, "cpu", "lru")
     with pinned.use(0), pytest.raises(MemoryError):  # a block in use never moves
         pinned.make_room(1)
+    both = store_of(2, 1, "cpu", "lru")
+    with pytest.raises(MemoryError), both.use(0, 1):  # two blocks at once in the room of one
+        pass
+    assert not any(both.pinned.values())  # the first one's pin is undone
     with pytest.raises(MemoryError, match="lower tier: None"):  # and without a lower tier nothing can
         store_of(3, 2, None, "lru")
 

@@ -10,6 +10,8 @@ parameters, a gradient bucket) come live the same way, from `buffer_meter`. Less
 
 from __future__ import annotations
 
+from collections import Counter
+
 from minipar import autograd
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -40,6 +42,7 @@ class MemoryLedger:
         self.current = {(c, t): 0 for c in CATEGORIES for t in TIERS}
         self.peak = dict(self.current)
         self.device_peak = 0
+        self.buffer_sizes = Counter()  # size -> temporary buffers allocated this window (fragmentation)
         autograd.activation_meter.on_change = self._activations_changed
         buffer_meter.on_change = self._buffers_changed
         tier_meter.on_change = self.set
@@ -58,6 +61,9 @@ class MemoryLedger:
         self.set("activations", nbytes)
 
     def _buffers_changed(self, nbytes: int):
+        grown = nbytes - self.current[("buffers", "device")]
+        if grown > 0:  # one buffer_meter.add: a temporary buffer of `grown` bytes was allocated
+            self.buffer_sizes[grown] += 1
         self.set("buffers", nbytes)
 
     def device_total(self) -> int:
@@ -67,6 +73,7 @@ class MemoryLedger:
         """Start a new window (a step): peaks restart from what is held now."""
         self.peak = dict(self.current)
         self.device_peak = self.device_total()
+        self.buffer_sizes = Counter()
 
     def report(self) -> dict:
         """The `mem` object of the train log: this rank's bytes for the window since reset_peaks."""
@@ -79,6 +86,8 @@ class MemoryLedger:
             "optimizer": total("optimizer", self.current),
             "activations_peak": self.peak[("activations", "device")],
             "buffers_peak": total("buffers", self.peak),
+            "buffer_allocations": sum(self.buffer_sizes.values()),  # temporary buffers allocated,
+            "buffer_sizes": len(self.buffer_sizes),  # of how many sizes (many sizes fragment memory)
             "device_peak": self.device_peak,
             "by_tier": {t: sum(self.current[(c, t)] for c in CATEGORIES) for t in TIERS},
         }

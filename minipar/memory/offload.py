@@ -1,10 +1,10 @@
 """Heterogeneous memory: a device with a byte budget, CPU memory and disk, and blocks that move
 between them on demand (PatrickStar; ZeRO-Offload and ZeRO-Infinity).
 
-The idea: what a rank keeps between uses (for chunked ZeRO-3: each chunk's shard of parameters,
-gradients and optimizer states, one *block* per chunk) need not stay on the device. A block lives in
-exactly one tier. Using it brings it to the device; when the device budget is full, another block is
-first evicted to the lower tier: CPU memory, or disk (`numpy.memmap` files). Which block goes?
+The idea: what a rank keeps between uses (for chunked ZeRO-3: each chunk's shard of the parameters,
+of the gradients, and of each optimizer state, one *block* each) need not stay on the device. A block
+lives in exactly one tier. Using it brings it to the device; when the device budget is full, another
+block is first evicted to the lower tier: CPU memory, or disk (`numpy.memmap` files). Which one goes?
 
     LRU  the least recently used one;
     OPT  Belady's choice: the one whose next use is furthest in the future. A training step repeats
@@ -71,34 +71,32 @@ def _close_files(files):
 
 
 class Block:
-    """A 2-D array whose rows hold one category each ("params", "grads", "optimizer"), in one tier."""
+    """An array of one category ("params", "grads" or "optimizer") that lives in one tier."""
 
-    def __init__(self, key, data, tier: str, rows: list[str]):
-        self.key, self.data, self.tier, self.rows = key, data, tier, rows
+    def __init__(self, key, data, category: str, tier: str):
+        self.key, self.data, self.category, self.tier = key, data, category, tier
         self.nbytes = data.nbytes
-
-    def bytes_by_category(self) -> Counter:
-        row_bytes = self.nbytes // len(self.rows)
-        return Counter({category: row_bytes * self.rows.count(category) for category in set(self.rows)})
 
 
 class TieredStore:
     """Blocks in device, cpu and disk tiers under a device byte budget, moved on use, with eviction."""
 
-    def __init__(self, blocks: dict, rows: list[str], budget_bytes: float | None, lower_tier: str | None,
-                 policy: str = "opt", others=lambda: 0, report=None, prefetch: bool = True):
+    def __init__(self, blocks: dict, budget_bytes: float | None, lower_tier: str | None, policy: str = "opt",
+                 others=lambda: 0, report=None, prefetch: bool = True):
+        """blocks: {key: (array, category)}, all on the device to start with."""
         if lower_tier not in (None, "cpu", "disk") or policy not in POLICIES:
             raise ValueError(f"lower tier {lower_tier!r}, policy {policy!r}: choose cpu or disk, lru or opt")
         self.backend = backend.current()
         self.budget = math.inf if budget_bytes is None else budget_bytes
         self.lower, self.policy, self.others, self.report = lower_tier, policy, others, report
         self.prefetching = prefetch
-        shapes = {key: (array.shape, array.dtype) for key, array in blocks.items()}
+        shapes = {key: (array.shape, array.dtype) for key, (array, _) in blocks.items()}
         self.disk = DiskTier(shapes) if lower_tier == "disk" else None
-        self.blocks = {key: Block(key, array, "device", rows) for key, array in blocks.items()}
+        self.blocks = {key: Block(key, a, category, "device") for key, (a, category) in blocks.items()}
         self.pinned = Counter()
         self.trace, self.recording, self.positions = [], True, {}  # the accesses of the first step
         self.clock, self.now, self.tick, self.last_used = 0, -1, 0, {}
+        self.in_step = False  # from the first use after a step's end to the end of the next step
         self.moved, self.counts = Counter(), Counter()
         self.last_step: dict | None = None
         for block in self.blocks.values():
@@ -118,8 +116,7 @@ class TieredStore:
         """{category: {tier: bytes}} of every block."""
         held = {category: dict.fromkeys(TIERS, 0) for category in ("params", "grads", "optimizer")}
         for block in self.blocks.values():
-            for category, nbytes in block.bytes_by_category().items():
-                held[category][block.tier] += nbytes
+            held[block.category][block.tier] += block.nbytes
         return held
 
     def _report(self):
@@ -130,19 +127,23 @@ class TieredStore:
 
     # ---- use, eviction, prefetch ----
     @contextlib.contextmanager
-    def use(self, key):
-        """The block's array on the device, pinned there until the `with` ends."""
-        block = self.blocks[key]
-        self._record(key)
-        if block.tier != "device":
-            self.make_room(block.nbytes)
-            self._move(block, "device")
-            self.counts["fetches"] += 1
-        self.pinned[key] += 1
+    def use(self, *keys):
+        """The blocks' arrays on the device, in the order of `keys`, pinned there until the `with` ends."""
+        pinned = []
         try:
-            yield block.data
+            for key in keys:
+                block = self.blocks[key]
+                self._record(key)
+                if block.tier != "device":
+                    self.make_room(block.nbytes)
+                    self._move(block, "device")
+                    self.counts["fetches"] += 1
+                self.pinned[key] += 1
+                pinned.append(key)
+            yield [self.blocks[key].data for key in keys]
         finally:
-            self.pinned[key] -= 1
+            for key in pinned:
+                self.pinned[key] -= 1
         self.prefetch()
 
     def read(self, key) -> np.ndarray:
@@ -162,8 +163,8 @@ class TieredStore:
             self.counts["evictions"] += 1
 
     def relieve(self):
-        """The others grew: evict blocks until the device is back within its budget."""
-        if self.free() < 0:
+        """The others grew during a step: evict blocks until the device is back within its budget."""
+        if self.in_step and self.free() < 0:
             self.make_room(0)
 
     def victim(self, candidates: list[Block]) -> Block:
@@ -190,7 +191,7 @@ class TieredStore:
             self.counts["prefetches"] += 1
 
     def _record(self, key):
-        self.now, self.clock, self.tick = self.clock, self.clock + 1, self.tick + 1
+        self.now, self.clock, self.tick, self.in_step = self.clock, self.clock + 1, self.tick + 1, True
         self.last_used[key] = self.tick
         if self.recording:
             self.trace.append(key)
@@ -217,7 +218,7 @@ class TieredStore:
             self.recording = False
             for position, key in enumerate(self.trace):
                 self.positions.setdefault(key, []).append(position)
-        self.clock = 0
+        self.clock, self.in_step = 0, False
         self.last_step = self.traffic()
         self.moved, self.counts = Counter(), Counter()
 

@@ -5,18 +5,21 @@ chunks (memory/chunks.py), packed with the parameters in execution order. A chun
 once before the first of its tensors is used and released after its last unit's forward; backward
 gathers it again, writes each unit's gradients into it in place of the parameters as the unit's
 backward ends, and reduce-scatters it as one message once every tensor in it is READY_FOR_REDUCE.
-What a rank keeps of a chunk between uses (its shard of the parameters, gradients and optimizer
-states) is one block of a TieredStore (memory/offload.py): on the device while the budget
-`--device-mem-mb` allows, else in CPU memory or on disk (`--offload`), fetched when used.
+What a rank keeps of a chunk between uses, its shard of the parameters, of the gradients and of each
+optimizer state, are blocks of a TieredStore (memory/offload.py): on the device while the budget
+`--device-mem-mb` allows, else in CPU memory or on disk (`--offload`), each fetched when used: a
+gather fetches the parameters, a reduce-scatter the gradients, the optimizer step all of them.
 
-What it saves: device memory: only the gathered chunks of one unit, one block and the activations
-must fit. Fixed-size chunks also mean few, equal allocations, and messages sized by `--chunk-mb`,
-not by the model's modules. What it costs: zero3's 3(N-1)/N of the model's bytes per step plus the
-chunks' padding, and, with offload, the blocks' traffic between tiers.
+What it saves: device memory: only the gathered chunks of one unit, a chunk's blocks and the
+activations must fit. Gathered buffers all have the one chunk size, and messages are sized by
+`--chunk-mb`, not by the model's modules. What it costs: zero3's 3(N-1)/N of the model's bytes per
+step plus the chunks' padding, and, with offload, the blocks' traffic between tiers.
 Lesson: lessons/08_memory.md.
 """
 
 from __future__ import annotations
+
+import weakref
 
 from minipar import autograd
 from minipar.backend import current as current_backend
@@ -27,7 +30,6 @@ from minipar.parallel.data import check_replicas_identical
 from minipar.parallel.zero import BackwardHook, after_backward_of, units_of
 
 S = TensorState
-PARAM, GRAD = 0, 1  # rows of a block; the optimizer's state arrays follow
 
 
 class ChunkedZero3:
@@ -45,17 +47,17 @@ class ChunkedZero3:
         self.xp = self.units[0].xp
         self.freed = self.xp.empty(0, dtype=self.chunks[0].dtype)
         self.scalars, blocks = [], {}
-        for chunk in self.chunks:
+        for chunk in self.chunks:  # this rank's shard of the chunk: one block per kind of model state
             state = optimizer.init_state(self.shard, chunk.dtype, self.xp)
             self.state_names = [k for k, v in state.items() if hasattr(v, "shape")]
             self.scalars.append({k: v for k, v in state.items() if k not in self.state_names})
-            block = self.xp.zeros((2 + len(self.state_names), self.shard), dtype=chunk.dtype)
             full = chunk.flatten([t.param.data for t in chunk.tensors])
-            block[PARAM] = full[self.start : self.start + self.shard]
-            blocks[chunk.index] = block
-        rows = ["params", "grads"] + ["optimizer"] * len(self.state_names)
+            blocks[chunk.index, "param"] = (full[self.start : self.start + self.shard].copy(), "params")
+            blocks[chunk.index, "grad"] = (self.xp.zeros(self.shard, dtype=chunk.dtype), "grads")
+            for name in self.state_names:
+                blocks[chunk.index, name] = (state[name], "optimizer")
         lower = None if offload == "none" else offload
-        self.store = TieredStore(blocks, rows, budget_bytes, lower, eviction,
+        self.store = TieredStore(blocks, budget_bytes, lower, eviction,
                                  others=lambda: autograd.activation_meter.current + buffer_meter.current,
                                  report=tier_meter.set)
         for chunk in self.chunks:
@@ -130,9 +132,9 @@ class ChunkedZero3:
     def gather(self, chunk):
         if chunk.payload is not None:
             return
-        with self.store.use(chunk.index) as block:
+        with self.store.use((chunk.index, "param")) as (param_shard,):
             self.store.make_room(chunk.nbytes)
-            chunk.payload = self.comm.all_gather(block[PARAM], numel=chunk.numel)
+            chunk.payload = self.comm.all_gather(param_shard, numel=chunk.numel)
             buffer_meter.add(chunk.nbytes)  # before the store may prefetch into the room made for it
         for tensor in chunk.tensors:
             chunk.transition(tensor, S.HOLD)
@@ -142,8 +144,8 @@ class ChunkedZero3:
         """Sum the chunk's gradients over the ranks; add this rank's shard to its block."""
         grad_shard = self.comm.reduce_scatter(chunk.payload)
         self.release(chunk)
-        with self.store.use(chunk.index) as block:
-            block[GRAD] += grad_shard
+        with self.store.use((chunk.index, "grad")) as (grad,):
+            grad += grad_shard
 
     def release(self, chunk):
         for tensor in chunk.tensors:
@@ -156,13 +158,14 @@ class ChunkedZero3:
     def step(self):
         """Each rank updates its shard of every chunk where the chunk's block is brought to."""
         self.finish_backward()
-        for chunk in self.chunks:
-            with self.store.use(chunk.index) as block:
-                state = {**self.scalars[chunk.index], **dict(zip(self.state_names, block[GRAD + 1 :]))}
+        for i, scalars in enumerate(self.scalars):
+            keys = [(i, "param"), (i, "grad")] + [(i, name) for name in self.state_names]
+            with self.store.use(*keys) as (param, grad, *arrays):
+                state = {**scalars, **dict(zip(self.state_names, arrays))}
                 with autograd.no_grad():
-                    self.optimizer.update(block[PARAM], block[GRAD], state)
-                self.scalars[chunk.index] = {k: v for k, v in state.items() if k not in self.state_names}
-                block[GRAD] = 0
+                    self.optimizer.update(param, grad, state)
+                self.scalars[i] = {k: v for k, v in state.items() if k not in self.state_names}
+                grad[...] = 0
         self.store.end_step()
 
     def memory(self) -> dict:
@@ -179,19 +182,21 @@ class ChunkedZero3:
         to_host = current_backend().to_host
         state = {}
         for chunk in self.chunks:
-            full = self.comm.all_gather(self.store.read(chunk.index)[PARAM], numel=chunk.numel)
+            full = self.comm.all_gather(self.store.read((chunk.index, "param")), numel=chunk.numel)
             for tensor in chunk.tensors:
                 state[tensor.name] = (tensor.param.shard, to_host(chunk.view(full, tensor)).copy())
         return state
 
 
 def relieve_when_activations_grow(store):
-    """Activations share the device budget: as they grow, the store evicts blocks first (the memory
-    ledger listens to the same meter, after it, so it never sees the budget exceeded)."""
-    previous = autograd.activation_meter.on_change
+    """Activations share the device budget: as they grow during a step, the store evicts blocks first
+    (the memory ledger listens to the same meter, after it, so it never sees the budget exceeded).
+    The listener holds the store weakly: it does nothing once the engine is gone."""
+    previous, store = autograd.activation_meter.on_change, weakref.ref(store)
 
     def relieve_then_record(nbytes):
-        store.relieve()
+        if store() is not None:
+            store().relieve()
         if previous:
             previous(nbytes)
 
@@ -214,16 +219,18 @@ def chunk_numel_for(cfg, model, parts: int) -> int:
 
 def device_bytes_needed(model, chunk_numel: int, parts: int, rows: int, offload: str) -> int:
     """The least device memory the engine needs, activations aside: the chunks one unit spans, all
-    gathered, plus the larger of one block and the unit's gradients (while they are copied in); and
-    without offload, every other block too."""
+    gathered, with one block or the unit's gradients (while they are copied in); or, for the step,
+    the `rows` blocks (parameters, gradients, optimizer states) of one chunk; without offload, every
+    block of every chunk besides."""
     units = [unit.parameters() for _, unit in model.units()]
     chunks = pack_in_chunks([(f"{u}.{j}", p, u) for u, params in enumerate(units)
                              for j, p in enumerate(params)], chunk_numel)
     spanned = max(sum(1 for c in chunks if u in c.units) for u in range(len(units)))
     largest_unit = max(sum(p.size for p in params) for params in units)
-    block = rows * (chunk_numel // parts)
-    resident = (len(chunks) - 1) * block if offload == "none" else 0
-    return (spanned * chunk_numel + max(block, largest_unit) + resident) * chunks[0].dtype.itemsize
+    shard = chunk_numel // parts
+    if offload == "none":
+        return (len(chunks) * rows * shard + spanned * chunk_numel + largest_unit) * chunks[0].dtype.itemsize
+    return max(spanned * chunk_numel + max(shard, largest_unit), rows * shard) * chunks[0].dtype.itemsize
 
 
 def config_errors(cfg) -> list[str]:
