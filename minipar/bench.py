@@ -28,6 +28,7 @@ BENCHES = {
     "fusion": "minipar.fusion.bench:main",
     "precision": "minipar.precision_bench:main",
     "layouts": "minipar.parallel.hybrid_bench:main",
+    "memory": "minipar.parallel.chunked_zero_bench:main",
     "gpu": "minipar.gpu_bench:main",
 }
 QUICK = ("autograd", "dp", "pp", "tp", "fusion", "precision")  # what `bench all` runs (gpu needs a GPU)

@@ -8,6 +8,7 @@ budget trains within it to the single-process numbers; a budget too small is ref
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,9 +22,10 @@ from mpi_harness import mpi_test
 from test_chunks import MODELS, assert_matches_reference, tight_budget_mb, tiny
 
 from minipar import autograd, train
-from minipar.config import validate
+from minipar.config import TrainConfig, validate
 from minipar.memory.ledger import buffer_meter
 from minipar.memory.offload import DiskTier, TieredStore
+from minipar.parallel import hybrid
 
 BLOCK_NUMEL = 6
 BLOCK_BYTES = BLOCK_NUMEL * 8
@@ -237,3 +239,19 @@ def test_a_model_several_times_the_budget_trains_within_it_on_every_rank(comm, o
     cfg = tiny(model="mlp", d_model=64, n_layer=4 * comm.size + 4, dp=comm.size, batch_size=comm.size,
                steps=2, offload=offload, eviction="lru")
     check_trains_within_budget(cfg, comm)
+
+
+def test_bench_memory_measures_both_tables_from_real_runs():
+    command = [sys.executable, "-m", "minipar", "bench", "memory", "--ranks", "2", "--chunk-mb", "1",
+               "--budgets", "4", "--steps", "2", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout.splitlines()[-1])
+    per_unit, searched, fixed = figures["messages"]
+    assert per_unit["messages"] == 3 * 6 and fixed["messages"] == 3 * fixed["chunks"]  # N - 1 = 1
+    psi = sum(p.size for p in hybrid.build_model(TrainConfig(dp=1), None).parameters())  # the default GPT
+    assert searched["chunks"] * searched["chunk_numel"] == searched["padding"] + psi
+    lru, opt = figures["offload"][:2]
+    assert (lru["eviction"], opt["eviction"]) == ("lru", "opt")
+    assert 0 < opt["moved_bytes"] <= lru["moved_bytes"]
+    assert all(row["device_peak_mb"] <= row["budget_mb"] for row in figures["offload"])
