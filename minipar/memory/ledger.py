@@ -41,6 +41,7 @@ class MemoryLedger:
     def __init__(self):
         self.current = {(c, t): 0 for c in CATEGORIES for t in TIERS}
         self.peak = dict(self.current)
+        self.held_peak = dict.fromkeys(CATEGORIES, 0)  # of each category summed over the tiers
         self.device_peak = 0
         self.buffer_sizes = Counter()  # size -> temporary buffers allocated this window (fragmentation)
         autograd.activation_meter.on_change = self._activations_changed
@@ -52,6 +53,7 @@ class MemoryLedger:
         key = (category, tier)
         self.current[key] = int(nbytes)
         self.peak[key] = max(self.peak[key], self.current[key])
+        self.held_peak[category] = max(self.held_peak[category], self.held(category))
         self.device_peak = max(self.device_peak, self.device_total())
 
     def add(self, category: str, nbytes: int, tier: str = "device"):
@@ -66,26 +68,28 @@ class MemoryLedger:
             self.buffer_sizes[grown] += 1
         self.set("buffers", nbytes)
 
+    def held(self, category: str) -> int:
+        """Bytes of `category` in all tiers (offload moves them between tiers: the sum is what is held)."""
+        return sum(self.current[(category, t)] for t in TIERS)
+
     def device_total(self) -> int:
         return sum(v for (_, tier), v in self.current.items() if tier == "device")
 
     def reset_peaks(self):
         """Start a new window (a step): peaks restart from what is held now."""
         self.peak = dict(self.current)
+        self.held_peak = {category: self.held(category) for category in CATEGORIES}
         self.device_peak = self.device_total()
         self.buffer_sizes = Counter()
 
     def report(self) -> dict:
         """The `mem` object of the train log: this rank's bytes for the window since reset_peaks."""
-        def total(category, table):
-            return sum(table[(category, t)] for t in TIERS)
-
         return {
-            "params": total("params", self.current),
-            "grads": total("grads", self.peak),
-            "optimizer": total("optimizer", self.current),
+            "params": self.held("params"),
+            "grads": self.held_peak["grads"],
+            "optimizer": self.held("optimizer"),
             "activations_peak": self.peak[("activations", "device")],
-            "buffers_peak": total("buffers", self.peak),
+            "buffers_peak": self.held_peak["buffers"],
             "buffer_allocations": sum(self.buffer_sizes.values()),  # temporary buffers allocated,
             "buffer_sizes": len(self.buffer_sizes),  # of how many sizes (many sizes fragment memory)
             "device_peak": self.device_peak,
