@@ -126,24 +126,31 @@ def load_whole(named_params, optimizer, state) -> None:
         optimizer.state[states[id(p)]] = fresh
 
 
-def flat_unit_pieces(unit, shards: dict) -> dict:
-    """{name: {kind: (Piece, array)}} for this rank's [start, stop) of a ZeRO unit's flat buffers.
+def flat_pieces(tensors, start: int, stop: int, shards: dict) -> dict:
+    """{name: {kind: (Piece, array)}} for this rank's [start, stop) of a flat buffer of tensors (a ZeRO
+    unit, a chunk): `tensors` lists (name, parameter, its local shape, its offset in the buffer).
 
     `shards` maps a kind ("param", "exp_avg", ...) to this rank's slice of that flat buffer, or to a
-    count (the step) that holds for every parameter of the unit."""
-    pieces, offset = {}, 0
-    for name, p, shape in zip(unit.names, unit.params, unit.shapes):
-        size = int(np.prod(shape))  # p.data may be freed (stage 3): the unit remembers the shapes
-        start, stop = max(unit.start, offset), min(unit.stop, offset + size)
-        if start < stop:
+    count (the step) that holds for every tensor in the buffer."""
+    pieces = {}
+    for name, p, shape, offset in tensors:
+        size = int(np.prod(shape))  # p.data may be freed (ZeRO-3): the buffer remembers the shapes
+        first, last = max(start, offset), min(stop, offset + size)
+        if first < last:
             full_shape = p.shard.full_shape if p.shard else tuple(shape)
-            piece = Piece(tuple(full_shape), p.shard, (start - offset, stop - offset))
-            pieces[name] = {kind: (piece, to_host(shard[start - unit.start : stop - unit.start]))
+            piece = Piece(tuple(full_shape), p.shard, (first - offset, last - offset))
+            pieces[name] = {kind: (piece, to_host(shard[first - start : last - start]))
                             for kind, shard in shards.items() if hasattr(shard, "shape")}
             pieces[name].update({kind: (Piece(()), np.asarray(count))
                                  for kind, count in shards.items() if not hasattr(count, "shape")})
-        offset += size
     return pieces
+
+
+def flat_unit_pieces(unit, shards: dict) -> dict:
+    """flat_pieces of a ZeRO unit (zero.py's FlatUnit): its parameters one after another."""
+    sizes = [int(np.prod(shape)) for shape in unit.shapes]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return flat_pieces(zip(unit.names, unit.params, unit.shapes, offsets), unit.start, unit.stop, shards)
 
 
 def flat_unit_buffer(unit, state, kind: str):

@@ -150,6 +150,12 @@ class TieredStore:
         """The block's values as a host array, wherever it lives (no move, not counted as traffic)."""
         return np.asarray(self.backend.to_host(self.blocks[key].data))
 
+    def write(self, key, values: np.ndarray):
+        """Set the block's values from a host array, wherever it lives (no move, not counted): a
+        checkpoint's (checkpoint.py)."""
+        block = self.blocks[key]
+        block.data[...] = self.backend.from_host(values) if block.tier == "device" else values
+
     def make_room(self, nbytes: float):
         """Evict unpinned blocks until `nbytes` more fit in the budget, or raise MemoryError."""
         while self.free() < nbytes:

@@ -23,9 +23,11 @@ import weakref
 
 from minipar import autograd
 from minipar.backend import current as current_backend
+from minipar.logical_state import flat_pieces
 from minipar.memory.chunks import TensorState, pack_in_chunks, search_chunk_size
 from minipar.memory.ledger import buffer_meter, tier_meter
 from minipar.memory.offload import MiB, TieredStore
+from minipar.nn import shard_of
 from minipar.parallel.data import check_replicas_identical
 from minipar.parallel.zero import BackwardHook, after_backward_of, units_of
 
@@ -176,6 +178,23 @@ class ChunkedZero3:
     def tier_traffic(self) -> dict | None:
         """The last step's bytes moved between tiers (the train log's "offload")."""
         return self.store.last_step
+
+    def checkpoint_pieces(self) -> dict:
+        """{name: {kind: (Piece, array)}}: this rank's shard of each chunk's parameters and their states."""
+        pieces = {}
+        for chunk, scalars in zip(self.chunks, self.scalars):
+            shards = {kind: self.store.read((chunk.index, kind)) for kind in ["param", *self.state_names]}
+            tensors = [(t.name, t.param, t.shape, t.offset) for t in chunk.tensors]
+            pieces.update(flat_pieces(tensors, self.start, self.start + self.shard, {**shards, **scalars}))
+        return pieces
+
+    def load_logical(self, state) -> None:
+        """Cut this rank's shard of every chunk from a checkpoint's logical tensors (checkpoint.py)."""
+        for chunk, scalars in zip(self.chunks, self.scalars):
+            for kind in ["param", *self.state_names]:
+                full = chunk.flatten([shard_of(state[t.name][kind], t.param.shard) for t in chunk.tensors])
+                self.store.write((chunk.index, kind), full[self.start : self.start + self.shard])
+            scalars.update({k: int(state[chunk.tensors[0].name][k]) for k in scalars})
 
     def local_state(self) -> dict:
         """{name: (None, full array)} for Trainer.full_state: a collective, every chunk all-gathered once."""
