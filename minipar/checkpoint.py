@@ -22,7 +22,8 @@ and the step. The step is also the data position and the random state: a batch i
 (seed, step), and training draws no other random numbers (dropout is 0), so the seed and the step
 restore every generator. What it costs: one read of every piece a rank needs, and at load time every
 rank reads the manifest and checks every file's size and SHA-256 before any collective, so a bad
-checkpoint is one error on every rank, not a hang. Lesson: lessons/12_reliability.md.
+checkpoint is one error on every rank, not a hang. Every rank must see DIR (one machine, or a shared
+file system), as with PyTorch's distributed checkpoints. Lesson: lessons/12_reliability.md.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def build_manifest(trainer, step: int, folder: str, files: list) -> dict:
         "seed": cfg.seed,
         "model": model_identity(cfg),
         "layout": {"world_size": trainer.world.size, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
-                   "zero": cfg.zero, "precision": cfg.precision},
+                   "zero": cfg.zero, "offload": cfg.offload, "precision": cfg.precision},
         "loss_scaler": scaler_state(trainer.engine.updater),
         "folder": folder,
         "files": {file: {"bytes": size, "sha256": digest} for file, size, digest, _, _ in files},
@@ -207,6 +208,14 @@ def read_manifest(directory, cfg) -> dict:
         raise CheckpointError(f"{where}: {MANIFEST} is unreadable or truncated ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{where}: {MANIFEST} is not a {FORMAT} manifest")
+    try:
+        check_against(manifest, directory, cfg, where)
+    except (KeyError, TypeError, AttributeError) as e:  # valid JSON, but not what save() writes
+        raise CheckpointError(f"{where}: {MANIFEST} is malformed (at {e!r})") from None
+    return manifest
+
+
+def check_against(manifest: dict, directory: Path, cfg, where: str) -> None:
     for file, expected in manifest["files"].items():
         check_file(directory / file, expected, f"{where}: {file}")
     differences = [f"{key} {manifest['model'].get(key)!r} there, {value!r} here"
@@ -219,7 +228,6 @@ def read_manifest(directory, cfg) -> dict:
     if manifest["step"] > cfg.steps:
         raise CheckpointError(f"{where}: the checkpoint is at step {manifest['step']}, past --steps "
                               f"{cfg.steps} (--steps counts all steps, those before the checkpoint too)")
-    return manifest
 
 
 def check_file(path: Path, expected: dict, what: str) -> None:

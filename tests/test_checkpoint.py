@@ -148,6 +148,7 @@ def flip_a_byte(path: Path):
     (lambda d, npz: (d / "manifest.json").unlink(), "no manifest.json"),
     (lambda d, npz: truncate(d / "manifest.json"), "manifest.json is unreadable or truncated"),
     (lambda d, npz: (d / "manifest.json").write_text('{"format": "other"}'), "is not a minipar-checkpoint-1"),
+    (lambda d, npz: (d / "manifest.json").write_text('{"format": "minipar-checkpoint-1"}'), "is malformed"),
     (lambda d, npz: npz.unlink(), "rank00000.npz is missing"),
     (lambda d, npz: truncate(npz), "rank00000.npz is truncated or altered"),
     (lambda d, npz: flip_a_byte(npz), "rank00000.npz is corrupt: its SHA-256 differs"),
