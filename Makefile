@@ -41,7 +41,7 @@ test: $(INSTALLED)
 # The main job: the default GPT on 8 ranks, 2 data-parallel replicas of a 2-stage pipeline whose
 # stages are split over 2 tensor-parallel ranks, ZeRO-1 on top; checked against one process.
 demo: $(INSTALLED)
-	$(MPIEXEC) -n 8 $(PYTHON) -m minipar train --dp 2 --pp 2 --tp 2 --zero 1 --microbatches 4 --steps 100 \
+	$(MPIEXEC) -n 8 $(PYTHON) -m minipar train --dp 2 --pp 2 --tp 2 --zero 1 --microbatches 4 --steps 100 --precision fp64 \
 	  --check-reference
 
 bench: $(INSTALLED)

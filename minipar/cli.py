@@ -85,10 +85,11 @@ def cmd_train(argv) -> int:
     if errors:
         return fail("minipar train", "; ".join(errors))
     from minipar import train
-    from minipar.comm import install_excepthook
+    from minipar.comm import install_excepthook, wait_for_everyone
 
     install_excepthook()
     train.train(cfg.resolved(world_size))
+    wait_for_everyone(MPI.COMM_WORLD)  # e.g. while rank 0 alone runs --check-reference
     return 0
 
 

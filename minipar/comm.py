@@ -32,6 +32,7 @@ synchronisation, or the device arrays themselves when MPI is CUDA-aware (lessons
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from collections import Counter
 
@@ -307,3 +308,11 @@ def install_excepthook() -> None:
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_job
+
+
+def wait_for_everyone(mpi_comm, nap_s: float = 0.001) -> None:
+    """A barrier that naps instead of spinning: with more ranks than cores (8 ranks on a laptop), a
+    rank busy-waiting in MPI would take the processor from the ranks that still have work to do."""
+    arrived = mpi_comm.Ibarrier()
+    while not arrived.Test():
+        time.sleep(nap_s)

@@ -40,7 +40,7 @@ class TrainConfig:
     steps: int = 60
     batch_size: int = 16
     seq_len: int = 32
-    lr: float = 3e-3
+    lr: float = 1.5e-3
     weight_decay: float = 0.0
     optimizer: str = "adamw"
     seed: int = 0
@@ -128,12 +128,6 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
     return errors
 
 
-def _backend(cfg: TrainConfig) -> list[str]:
-    """--backend cupy needs CuPy and a GPU on this rank (backend.py); numpy always runs."""
-    reason = backend.unavailable(cfg.backend) if cfg.backend == "cupy" else None
-    return [reason] if reason else []
-
-
 def _precision(cfg: TrainConfig) -> list[str]:
     """What mixed precision (bf16, fp16) composes with: see minipar/mixed_precision.py."""
     if cfg.precision not in ("bf16", "fp16"):
@@ -149,6 +143,12 @@ def _precision(cfg: TrainConfig) -> list[str]:
         errors.append(f"--precision fp16 with --zero {cfg.zero}: the loss scaler checks all gradients "
                       "before one optimizer step, and ZeRO updates shard by shard; use bf16 or --zero 0")
     return errors
+
+
+def _backend(cfg: TrainConfig) -> list[str]:
+    """--backend cupy needs CuPy and a GPU on this rank (backend.py); numpy always runs."""
+    reason = backend.unavailable(cfg.backend) if cfg.backend == "cupy" else None
+    return [reason] if reason else []
 
 
 def validate(cfg: TrainConfig, world_size: int) -> list[str]:

@@ -84,13 +84,12 @@ def _outcome_of(body) -> tuple[str, str]:
 
 
 def _wait_for_every_rank(outcome: tuple[str, str]) -> None:
+    # Poll with naps rather than MPI's busy wait: with more ranks than cores, a spinning rank would
+    # take the processor from the ranks still working (rank 0 computing a reference, say).
     arrived = _harness.Ibarrier()
-    if outcome[0] != "failed":
-        arrived.Wait()
-        return
     deadline = time.monotonic() + GRACE_S
     while not arrived.Test():
-        if time.monotonic() > deadline:
+        if outcome[0] == "failed" and time.monotonic() > deadline:
             _abort_report.write(
                 f"[rank {WORLD.rank}] failed, and {GRACE_S:g} s later the other ranks are still in the "
                 "test body, probably waiting in a collective this rank never reached; aborting the job.\n"
