@@ -12,6 +12,7 @@ from __future__ import annotations
 from minipar import mixed_precision, optim
 from minipar.data import AdditionTask
 from minipar.engine import Engine, LocalUpdater, MicrobatchRunner
+from minipar.fusion import training as fused_training
 from minipar.nn import GPT, GPTConfig, MLPConfig, MLPNet
 from minipar.parallel import pipeline
 from minipar.parallel.chunked_zero import build_chunked_zero3
@@ -37,13 +38,18 @@ def build_model(cfg, grid):
         model = GPT(mcfg, seed=None) if cfg.model == "gpt" else MLPNet(mcfg, seed=None)
     if cfg.pp > 1:  # keep this stage's units only, under their global names
         model = pipeline.build_stage(model, grid.pp.size, grid.pp_rank)
+    if cfg.fused:
+        fused_training.use_fused_gelu(model)
     return model.init_parameters(cfg.seed)
 
 
 def build_optimizer(cfg, params):
     if cfg.optimizer == "sgd":
         return optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
-    return optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.fused:  # the same arithmetic, as three fused kernels (fusion/training.py)
+        optimizer.update_rule = fused_training.adamw_update
+    return optimizer
 
 
 def build_runner(cfg, grid, model):
