@@ -27,7 +27,8 @@ class MicrobatchRunner:
 
     def forward_backward(self, inputs, targets, normaliser: int) -> float:
         total, to_device = 0.0, backend.current().from_host  # the batch is made on the host
-        for x, y in zip(np.array_split(inputs, self.microbatches), np.array_split(targets, self.microbatches)):
+        pieces = zip(np.array_split(inputs, self.microbatches), np.array_split(targets, self.microbatches))
+        for x, y in pieces:
             loss = self.model.loss(self.model(to_device(x)), to_device(y), normaliser)
             loss.backward()
             total += loss.item()

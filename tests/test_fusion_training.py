@@ -97,5 +97,6 @@ def test_train_fused_gives_the_same_losses_and_weights_bit_for_bit(model, seed, 
     assert fx.training.fused_gelu in activations and F.gelu not in activations
     assert fused.engine.updater.optimizer.update_rule is fx.training.adamw_update
     assert [r["loss"] for r in plain.run()] == [r["loss"] for r in fused.run()]
-    for (name, p), (_, q) in zip(plain.engine.model.named_parameters(), fused.engine.model.named_parameters()):
+    fused_params = fused.engine.model.named_parameters()
+    for (name, p), (_, q) in zip(plain.engine.model.named_parameters(), fused_params):
         assert same_bits(p.data, q.data), name
