@@ -126,7 +126,8 @@ class PipelineRunner:
         self.microbatches = check_schedule(schedule_table)  # naive runs one, whatever was asked
         self.actions = schedule_table[self.rank]
         self.width, self.dtype = width, dtype
-        self.in_flight, self.pending_sends, self.loss_sum, self.busy_s = {}, [], 0.0, 0.0
+        self.in_flight, self.pending_sends, self.loss_sum = {}, [], 0.0
+        self.compute_s = {"F": 0.0, "B": 0.0}
         self.last_timing: dict = {}
 
     @property
@@ -141,7 +142,8 @@ class PipelineRunner:
         """The summed loss of this batch on the last stage (0.0 on the others); grads accumulate."""
         xs = np.array_split(inputs, self.microbatches)
         ys = np.array_split(targets, self.microbatches)
-        self.in_flight, self.pending_sends, self.loss_sum, self.busy_s = {}, [], 0.0, 0.0
+        self.in_flight, self.pending_sends, self.loss_sum = {}, [], 0.0
+        self.compute_s = {"F": 0.0, "B": 0.0}
         self.comm.barrier()  # every stage's clock starts together, so the makespan is common
         started = time.perf_counter()
         for action in self.actions:
@@ -161,7 +163,7 @@ class PipelineRunner:
         else:
             received = self.comm.recv(self.activation_shape(x), self.dtype, self.rank - 1, tag=2 * i)
             stage_input = Tensor(received, requires_grad=True)
-        with self.computing():
+        with self.computing("F"):
             output = self.stage(stage_input)
             if self.is_last:
                 output = self.stage.loss(output, be.from_host(y), normaliser)
@@ -175,7 +177,7 @@ class PipelineRunner:
         grad = None
         if not self.is_last:
             grad = self.comm.recv(output.shape, self.dtype, self.rank + 1, tag=2 * i + 1)
-        with self.computing():
+        with self.computing("B"):
             output.backward(grad)
         if not self.is_first:
             self.send(stage_input.grad, self.rank - 1, tag=2 * i + 1)
@@ -190,25 +192,28 @@ class PipelineRunner:
         self.pending_sends = [r for r in self.pending_sends if not r.Test()]  # also drives MPI progress
 
     @contextlib.contextmanager
-    def computing(self):
-        """Add the wall time of a block of computation (device work included) to the busy time."""
+    def computing(self, op: str):
+        """Add the wall time of a block of computation (device work included) to op's busy time."""
         started = time.perf_counter()
         yield
         backend.current().sync()
-        self.busy_s += time.perf_counter() - started
+        self.compute_s[op] += time.perf_counter() - started
 
     def record_timing(self, wall_s: float):
-        """Gather every stage's busy time; bubble = idle share of stages x makespan (uncharged control)."""
-        busy, walls = zip(*self.comm.allgather_obj((self.busy_s, wall_s)))
+        """Gather every stage's compute time; bubble = idle share of stages x makespan (uncharged control)."""
+        mine = (self.compute_s["F"], self.compute_s["B"], wall_s)
+        forward, backward, walls = zip(*self.comm.allgather_obj(mine))
+        busy = [f + b for f, b in zip(forward, backward)]
         makespan = max(walls)
         self.last_timing = {
             "stages": self.stages,
             "microbatches": self.microbatches,
-            "busy_s": self.busy_s,
-            "idle_s": makespan - self.busy_s,
-            "stage_busy_s": list(busy),
+            "busy_s": busy[self.rank],
+            "idle_s": makespan - busy[self.rank],
+            "stage_forward_s": list(forward),
+            "stage_backward_s": list(backward),
+            "stage_busy_s": busy,
             "makespan_s": makespan,
             "bubble_measured": 1.0 - sum(busy) / (self.stages * makespan),
             "bubble_formula": float(bubble_formula(self.stages, self.microbatches)),
         }
-

@@ -4,9 +4,10 @@ Runs `python -m minipar train --pp K` under `mpiexec -n K` for the naive schedul
 1F1B at each number of micro-batches M (each setting several times, interleaved), reads rank 0's
 JSON-lines log and prints, as medians over the steps after a warm-up: the measured bubble
 (1 - busy / (K x makespan): the stages' compute time against the wall time of the step), the
-formula's bubble, each stage's share of the compute (the formula assumes equal stages), the step
-time, and stage 0's activation peak (GPipe holds M micro-batches there, 1F1B at most K). Each rank
-gets one BLAS thread, so K ranks need K free cores.
+formula's bubble, each stage's share of the compute and its forward and backward time per
+micro-batch (the formula assumes equal stages), the step time, and stage 0's activation peak
+(GPipe holds M micro-batches there, 1F1B at most K). Each rank gets one BLAS thread, so K ranks
+need K free cores.
 Lesson: lessons/06_pipeline.md.
 
     python -m minipar bench pp [--stages 2] [--microbatches 1 2 4 8] [--steps 8] [--warmup 2]
@@ -47,12 +48,16 @@ def measure(stages: int, microbatches: list[int], steps: int, warmup: int, repea
     rows = []
     for (schedule, m), records in kept.items():
         busy = np.median([r["pipeline"]["stage_busy_s"] for r in records], axis=0)
+        forward = np.median([r["pipeline"]["stage_forward_s"] for r in records], axis=0) / m
+        backward = np.median([r["pipeline"]["stage_backward_s"] for r in records], axis=0) / m
         rows.append({
             "schedule": schedule,
             "microbatches": m,
             "bubble_measured": median(records, lambda r: r["pipeline"]["bubble_measured"]),
             "bubble_formula": records[-1]["pipeline"]["bubble_formula"],
             "stage_busy_share": [float(b) for b in busy / busy.sum()],
+            "stage_forward_s": [float(f) for f in forward],  # per micro-batch
+            "stage_backward_s": [float(b) for b in backward],
             "step_s": median(records, lambda r: r["time_s"]),
             "stage0_activations_peak": int(records[-1]["mem"]["activations_peak"]),
             "stage0_sent_bytes": int(records[-1]["comm"]["sent_bytes"]),
@@ -64,17 +69,33 @@ def median(records: list[dict], key) -> float:
     return float(np.median([key(r) for r in records]))
 
 
+def per_stage(values, scale: float = 1.0, digits: int = 2) -> str:
+    return "/".join(f"{v * scale:.{digits}f}" for v in values)
+
+
+COLUMNS = [  # (header, how to show a row's figure); "a/b" lists stage 0, stage 1, ...
+    ("schedule", lambda r: r["schedule"]),
+    ("M", lambda r: r["microbatches"]),
+    ("bubble measured", lambda r: f"{r['bubble_measured']:.3f}"),
+    ("formula", lambda r: f"{r['bubble_formula']:.3f}"),
+    ("compute share", lambda r: per_stage(r["stage_busy_share"])),
+    ("F ms/mb", lambda r: per_stage(r["stage_forward_s"], 1e3, 1)),
+    ("B ms/mb", lambda r: per_stage(r["stage_backward_s"], 1e3, 1)),
+    ("step ms", lambda r: f"{r['step_s'] * 1e3:.1f}"),
+    ("stage-0 activations B", lambda r: r["stage0_activations_peak"]),
+    ("stage-0 sent B", lambda r: r["stage0_sent_bytes"]),
+]
+
+
 def render(figures: dict, warmup: int) -> str:
-    lines = [f"minipar train {' '.join(figures['train_args'])} --pp {figures['stages']}  (medians over "
-             f"{figures['repeats']} interleaved runs, after {warmup} warm-up steps each; a shared machine)",
-             "schedule   M  bubble measured  formula  stage compute shares  step ms  "
-             "stage-0 activations B  stage-0 sent B"]
-    for r in figures["rows"]:
-        shares = " ".join(f"{s:.2f}" for s in r["stage_busy_share"])
-        lines.append(f"{r['schedule']:>8} {r['microbatches']:3d} {r['bubble_measured']:16.3f} "
-                     f"{r['bubble_formula']:8.3f}  {shares:>20}  {r['step_s'] * 1e3:7.1f}  "
-                     f"{r['stage0_activations_peak']:21d}  {r['stage0_sent_bytes']:14d}")
-    return "\n".join(lines)
+    rows = [[header for header, _ in COLUMNS]]
+    rows += [[str(show(r)) for _, show in COLUMNS] for r in figures["rows"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return "\n".join(
+        [f"minipar train {' '.join(figures['train_args'])} --pp {figures['stages']}  (medians over "
+         f"{figures['repeats']} interleaved runs, after {warmup} warm-up steps each; a shared machine)",
+         "per-stage figures a/b: stage 0/stage 1; F and B ms/mb: compute per micro-batch"]
+        + ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows])
 
 
 def main(argv) -> int:
