@@ -231,7 +231,8 @@ def test_pipeline_trains_to_the_single_process_losses_and_weights(comm, stages, 
     assert timing["bubble_formula"] == pytest.approx((stages - 1) / (run + stages - 1))
     assert len(timing["stage_busy_s"]) == stages
     assert min(timing["stage_forward_s"]) > 0 and min(timing["stage_backward_s"]) > 0
-    assert timing["stage_busy_s"] == [f + b for f, b in zip(timing["stage_forward_s"], timing["stage_backward_s"])]
+    forward, backward = timing["stage_forward_s"], timing["stage_backward_s"]
+    assert timing["stage_busy_s"] == [f + b for f, b in zip(forward, backward)]
     assert 0.0 < timing["bubble_measured"] < 1.0
     assert 0.0 < timing["busy_s"] <= timing["makespan_s"]
 
