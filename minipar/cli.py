@@ -11,15 +11,9 @@ import argparse
 import dataclasses
 import sys
 
+from minipar.arguments import OneLineParser
 from minipar.backend import BACKEND_ENV, name_from_env
 from minipar.config import BACKENDS, EVICTIONS, MODELS, OFFLOADS, PRECISIONS, SCHEDULES, TrainConfig, validate
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is a single line on stderr (and exit 2), not the usage block."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def train_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from minipar import mixed_precision
-from minipar.cli import OneLineParser
+from minipar.arguments import OneLineParser
 from minipar.comm import Comm, ProcessGrid
 from minipar.config import TrainConfig
 from minipar.engine import Engine

@@ -23,8 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from fractions import Fraction
+
+from minipar.arguments import OneLineParser
 
 STAGES = (0, 1, 2, 3)
 PARTITIONED = {
@@ -110,19 +111,8 @@ def _format_bytes(value: Fraction) -> str:
     return f"{_json_number(value):,}" if value.denominator == 1 else f"{float(value):,.1f}"
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """argparse that reports a mistake as one line, `minipar plan: error: ...`, instead of exiting."""
-
-    def error(self, message: str):
-        raise _UsageError(f"{self.prog}: error: {message}")
-
-
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = _OneLineErrorParser(prog="minipar plan", description="ZeRO model-state memory per device.")
+    parser = OneLineParser(prog="minipar plan", description="ZeRO model-state memory per device.")
     parser.add_argument("--params", type=float, required=True, help="model parameters Ψ, e.g. 7.5e9")
     parser.add_argument("--dp", type=int, required=True, help="data-parallel degree N")
     parser.add_argument("--k", type=int, default=12, help="optimizer-state bytes per parameter (12)")
@@ -170,10 +160,7 @@ def main(argv: list[str]) -> int:
     """The `minipar plan` command: model-state bytes per device for ZeRO stages 0-3."""
     try:
         args = _parse(argv)
-    except _UsageError as error:
-        print(error, file=sys.stderr)
-        return 2
-    except SystemExit as exit_request:  # --help
+    except SystemExit as exit_request:  # a one-line usage error (2), or --help (0)
         return int(exit_request.code or 0)
     sizes_of = {"param_bytes": args.param_bytes, "grad_bytes": args.grad_bytes, "mp": args.mp}
     sizes = bytes_per_device(args.params, args.dp, args.k, **sizes_of)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
 from fractions import Fraction
+
+from minipar.arguments import OneLineParser
 
 
 @dataclass(frozen=True)
@@ -202,19 +203,8 @@ def render(timeline: Timeline) -> str:
     return "\n".join(lines)
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """argparse that reports a mistake as one line, `minipar schedule: error: ...`, instead of exiting."""
-
-    def error(self, message: str):
-        raise _UsageError(f"{self.prog}: error: {message}")
-
-
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = _OneLineErrorParser(prog="minipar schedule", description="Draw a pipeline schedule.")
+    parser = OneLineParser(prog="minipar schedule", description="Draw a pipeline schedule.")
     parser.add_argument("--stages", type=int, required=True, help="pipeline stages K (ranks)")
     parser.add_argument("--microbatches", type=int, required=True, help="micro-batches M per batch")
     parser.add_argument("--schedule", choices=list(SCHEDULES), required=True)
@@ -232,10 +222,7 @@ def main(argv: list[str]) -> int:
     """The `minipar schedule` command: chart (or JSON), bubble fraction and peak in-flight per stage."""
     try:
         args = _parse(argv)
-    except _UsageError as error:
-        print(error, file=sys.stderr)
-        return 2
-    except SystemExit as exit_request:  # --help
+    except SystemExit as exit_request:  # a one-line usage error (2), or --help (0)
         return int(exit_request.code or 0)
     schedule = build_schedule(args.schedule, args.stages, args.microbatches)
     timeline = simulate(schedule, backward_cost=args.backward_cost)

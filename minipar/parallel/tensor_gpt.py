@@ -12,7 +12,7 @@ replicas compose around it. Lesson: lessons/05_tensor_parallel.md.
 
 from __future__ import annotations
 
-from minipar.nn import Block, GPTConfig, GPTEmbedding, GPTHead, Module, ModuleList
+from minipar.nn import GPT, Block, GPTConfig, GPTEmbedding, GPTHead, Module, ModuleList
 from minipar.parallel.tensor import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -22,11 +22,12 @@ from minipar.parallel.tensor import (
 )
 
 
-class TensorParallelGPT(Module):
-    """nn.GPT with every weight matrix split over `comm` (Megatron's layout)."""
+class TensorParallelGPT(GPT):
+    """nn.GPT with every weight matrix split over `comm` (Megatron's layout); `units()` and `forward()`
+    are GPT's own."""
 
     def __init__(self, cfg: GPTConfig, comm, seed: int | None = 0):
-        super().__init__()
+        Module.__init__(self)  # GPT's three parts, built here from split layers instead of dense ones
         self.config, self.comm = cfg, comm
         wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, comm, dtype=cfg.dtype)
         self.embed = GPTEmbedding(cfg, wte=wte)
@@ -37,17 +38,6 @@ class TensorParallelGPT(Module):
         self.vocab_start = lm_head.start  # the loss needs it even on a pipeline stage without the head
         if seed is not None:
             self.init_parameters(seed)
-
-    def units(self):
-        return [("embed", self.embed)] + [(f"blocks.{i}", b) for i, b in enumerate(self.blocks)] + [
-            ("head", self.head)
-        ]
-
-    def forward(self, ids):
-        x = ids
-        for _, unit in self.units():
-            x = unit(x)
-        return x
 
     def loss(self, logits, targets, normaliser: int):
         """Summed token cross-entropy over the vocab-split logits, divided by the global token count."""
