@@ -50,8 +50,8 @@ def assert_close(actual, expected, what=""):
     """Relative 1e-9, elementwise and against the tensor's largest entry (floored at 1e-3).
 
     The tensor-wide part matters for entries near zero: AdamW divides each gradient by its own
-    magnitude, so an entry whose gradient is small or pure roundoff (the attention key bias: softmax
-    ignores a shift shared by all keys) moves by an amount whose relative error says nothing."""
+    magnitude, so an entry whose gradient is small or mostly roundoff moves by an amount whose
+    relative error says nothing (the reason the GPT has no attention key bias: see nn.py)."""
     expected = np.asarray(expected)
     scale = max(float(np.max(np.abs(expected))) if expected.size else 0.0, 1e-3)
     np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=RTOL * scale, err_msg=what)
