@@ -49,7 +49,6 @@ class GELU(Function):
         return gelu_backward(ctx.saved[0], g)
 
 
-
 def gelu(a):
     return GELU.apply(a)
 

@@ -101,7 +101,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     for name in ("size", "repeats", "tile"):
         if getattr(args, name) < 1:
-            print(f"error: --{name} must be a positive integer, got {getattr(args, name)}", file=sys.stderr)
+            value = getattr(args, name)
+            print(f"minipar bench fusion: error: --{name} must be a positive integer, got {value}",
+                  file=sys.stderr)
             return 2
     results = {"chain8": bench_chain(args.size, args.repeats, args.tile),
                "adamw": bench_adamw(args.size, args.repeats, args.tile)}
