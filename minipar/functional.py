@@ -1,8 +1,9 @@
 """Differentiable operations, imported as `F` like torch.nn.functional.
 
-Two files hold them, each operation a `Function` with its forward and backward rule in array code:
-tensor_ops.py  the algebra: add, sub, mul, div, neg, pow, matmul, linear, sum, mean, max, reshape,
-               transpose, indexing, concatenate, exp, log, tanh, relu;
+Three files hold them, each operation a `Function` with its forward and backward rule in array code:
+tensor_ops.py  the algebra: add, sub, mul, div, neg, pow, matmul, linear, sum, mean, max, exp, log,
+               tanh, relu;
+shape_ops.py   reshape, transpose, indexing and slicing, concatenate;
 layer_ops.py   what layers need: gelu, softmax, log_softmax, cross_entropy, mse_loss, layer_norm,
                embedding, dropout.
 Lesson: lessons/01_autograd.md.
@@ -28,12 +29,20 @@ from minipar.layer_ops import (  # noqa: F401
     mse_loss,
     softmax,
 )
+from minipar.shape_ops import (  # noqa: F401
+    Concatenate,
+    GetItem,
+    Reshape,
+    Transpose,
+    concatenate,
+    getitem,
+    reshape,
+    transpose,
+)
 from minipar.tensor_ops import (  # noqa: F401
     Add,
-    Concatenate,
     Div,
     Exp,
-    GetItem,
     Linear,
     Log,
     MatMul,
@@ -42,16 +51,12 @@ from minipar.tensor_ops import (  # noqa: F401
     Neg,
     Pow,
     ReLU,
-    Reshape,
     Sub,
     Sum,
     Tanh,
-    Transpose,
     add,
-    concatenate,
     div,
     exp,
-    getitem,
     linear,
     log,
     matmul,
@@ -61,10 +66,8 @@ from minipar.tensor_ops import (  # noqa: F401
     neg,
     pow,
     relu,
-    reshape,
     sub,
     sum,
     tanh,
-    transpose,
     unbroadcast,
 )
