@@ -45,13 +45,19 @@ def pipeline_line(records: list[dict]) -> list[str]:
             f"formula (K-1)/(M+K-1) = {formula:.3f}"]
 
 
+def zero_stage(cfg) -> str:
+    """Chunked offload is ZeRO-3 over chunks, whatever --zero said (0 or 3)."""
+    chunked = cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None
+    return f"3 (chunked, offload {cfg.offload})" if chunked else str(cfg.zero)
+
+
 def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None) -> str:
     last = records[-1]
     rate = np.median([r["tokens_per_s"] for r in records[1:]] or [last["tokens_per_s"]])
     unit = "tokens/s" if cfg.model == "gpt" else "samples/s"
     lines = [
         "",
-        f"layout: dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} zero={cfg.zero} precision={cfg.precision} "
+        f"layout: dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} zero={zero_stage(cfg)} precision={cfg.precision} "
         f"microbatches={cfg.microbatches} schedule={cfg.schedule if cfg.pp > 1 else '-'}",
         f"loss: first {records[0]['loss']:.4f}, last {last['loss']:.4f} over {len(records)} steps",
         f"speed: {rate:,.0f} {unit} (median over steps after the first)",
