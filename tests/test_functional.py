@@ -33,19 +33,24 @@ def relative_error(a, b) -> float:
     return float(np.max(np.abs(a - b) / np.maximum(np.maximum(np.abs(a), np.abs(b)), FLOOR)))
 
 
+def numeric_derivative(loss, array, index):
+    """d loss / d array[index] by the 4-point stencil (error O(h^4)); array is restored after."""
+    original = array[index]
+    values = []
+    for offset in (2, 1, -1, -2):
+        array[index] = original + offset * STEP
+        values.append(loss())
+    array[index] = original
+    f2, f1, fm1, fm2 = values
+    return (8 * (f1 - fm1) - (f2 - fm2)) / (12 * STEP)
+
+
 def numeric_gradient(loss, arrays, i):
-    """d loss / d arrays[i] by the 4-point stencil (error O(h^4)), perturbing one element at a time."""
+    """d loss / d arrays[i], element by element."""
     x = arrays[i]
     grad = np.zeros_like(x)
     for k in np.ndindex(x.shape):
-        original = x[k]
-        values = []
-        for offset in (2, 1, -1, -2):
-            x[k] = original + offset * STEP
-            values.append(loss())
-        x[k] = original
-        f2, f1, fm1, fm2 = values
-        grad[k] = (8 * (f1 - fm1) - (f2 - fm2)) / (12 * STEP)
+        grad[k] = numeric_derivative(loss, x, k)
     return grad
 
 

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_functional import numeric_derivative
 
 from minipar import functional as F
 from minipar import nn
 from minipar.autograd import Tensor, no_grad
 
 TINY = nn.GPTConfig(vocab_size=13, block_size=4, n_layer=2, n_head=2, d_model=8)
-STEP = 1e-4
 
 
 def tokens(seed, batch=2, seq=4, vocab=13):
@@ -23,17 +23,6 @@ def randomise(model, seed, scale=0.5):
     rng = np.random.default_rng([seed, 8])
     for p in model.parameters():
         p.data[...] = rng.standard_normal(p.shape) * scale + (1.0 if p.init[0] == "ones" else 0.0)
-
-
-def numeric_derivative(loss, array, index):
-    original = array[index]
-    values = []
-    for offset in (2, 1, -1, -2):
-        array[index] = original + offset * STEP
-        values.append(loss())
-    array[index] = original
-    f2, f1, fm1, fm2 = values
-    return (8 * (f1 - fm1) - (f2 - fm2)) / (12 * STEP)
 
 
 def check_parameter_gradients(model, loss_of_model, seed, per_parameter=2):
