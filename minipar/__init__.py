@@ -1,11 +1,12 @@
 """minipar: distributed training from scratch, on NumPy and MPI, small enough to read.
 
     import minipar
-    from minipar import Tensor, nn, optim, functional as F
+    from minipar import Tensor
+    from minipar.core import nn, optim, functional as F
 """
 
-from minipar import functional, nn, optim
-from minipar.autograd import Tensor, no_grad
+from minipar.core import functional, nn, optim
+from minipar.core.autograd import Tensor, no_grad
 
 __all__ = ["Tensor", "no_grad", "functional", "nn", "optim"]
 __version__ = "0.1.0"

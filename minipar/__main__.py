@@ -1,7 +1,7 @@
-"""`python -m minipar ...`: see minipar/cli.py."""
+"""`python -m minipar ...`: see minipar/trainer/cli.py."""
 
 import sys
 
-from minipar.cli import main
+from minipar.trainer.cli import main
 
 sys.exit(main())

@@ -18,7 +18,7 @@ import mpi_harness
 import pytest
 from mpi4py import MPI
 
-from minipar.comm import Comm, TrafficLedger
+from minipar.dist.comm import Comm, TrafficLedger
 
 WORLD = MPI.COMM_WORLD
 

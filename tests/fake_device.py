@@ -27,7 +27,7 @@ from collections import Counter
 import numpy
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from minipar import backend
+from minipar.core import backend
 
 # Functions that build arrays from shapes and numbers, not from arrays.
 CREATION = {"empty", "zeros", "ones", "full", "arange", "eye", "identity", "linspace", "tri"}
@@ -83,7 +83,7 @@ def _index(key):
 class ndarray(NDArrayOperatorsMixin):  # noqa: N801 - CuPy's name
     """A device array of the fake: values in `_memory`, reachable only through explicit copies."""
 
-    __module__ = "cupy"  # minipar.backend.xp_of recognises CuPy arrays by their module
+    __module__ = "cupy"  # minipar.core.backend.xp_of recognises CuPy arrays by their module
 
     def __init__(self, memory: numpy.ndarray):
         self._memory = memory

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minipar.backend import xp_of
+from minipar.core.backend import xp_of
 from minipar.fusion import codegen
 from minipar.fusion.fuse import fuse, one_kernel_per_op
 from minipar.fusion.ir import Node, apply, as_node

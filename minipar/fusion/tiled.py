@@ -15,7 +15,7 @@ import itertools
 
 import numpy as np
 
-from minipar.backend import xp_of
+from minipar.core.backend import xp_of
 from minipar.fusion.fuse import Kernel
 from minipar.fusion.ir import Node, apply
 

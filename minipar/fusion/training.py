@@ -3,7 +3,7 @@
 The AdamW update is some fifteen elementwise operations over every parameter; run one by one they
 move about 33 arrays' worth of bytes, fused 10 (three kernels: exp_avg, exp_avg_sq, param). GELU's
 forward is one kernel reading x and writing y. The arithmetic is written in exactly the order of
-minipar.optim.adamw_update and minipar.functional.gelu_forward / gelu_backward, operation for
+minipar.core.optim.adamw_update and minipar.core.functional.gelu_forward / gelu_backward, operation for
 operation, so fused results are bitwise equal to them. `train --fused` calls these.
 Lesson: lessons/10_fusion.md.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from minipar.autograd import Function
+from minipar.core.autograd import Function
 from minipar.fusion.interpret import run
 from minipar.fusion.ir import Node, array, sqrt, tanh
 
@@ -34,7 +34,7 @@ def adamw_expressions(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, 
 
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
                  *, fused: bool = True):
-    """One AdamW step in place, bitwise equal to minipar.optim.adamw_update. Returns the Stats."""
+    """One AdamW step in place, bitwise equal to minipar.core.optim.adamw_update. Returns the Stats."""
     expressions = adamw_expressions(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
                                     weight_decay)
     _, stats = run(expressions, fused=fused, out=[exp_avg, exp_avg_sq, param])
@@ -42,12 +42,12 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, 
 
 
 def gelu_expression(x: Node) -> Node:
-    """GPT-2's tanh GELU, in minipar.functional.gelu_forward's order of operations."""
+    """GPT-2's tanh GELU, in minipar.core.functional.gelu_forward's order of operations."""
     return 0.5 * x * (1.0 + tanh(GELU_C * (x + 0.044715 * x * x * x)))
 
 
 def gelu_backward_expression(x: Node, grad_out: Node) -> Node:
-    """The gradient of GELU times grad_out, in minipar.functional.gelu_backward's order. The tanh
+    """The gradient of GELU times grad_out, in minipar.core.functional.gelu_backward's order. The tanh
     has two consumers, so the fusion rule materialises it: two kernels."""
     t = tanh(GELU_C * (x + 0.044715 * x * x * x))
     d_inner = GELU_C * (1.0 + 3 * 0.044715 * x * x)

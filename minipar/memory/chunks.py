@@ -26,7 +26,7 @@ import enum
 
 import numpy as np
 
-from minipar.backend import xp_of
+from minipar.core.backend import xp_of
 
 
 class TensorState(enum.Enum):

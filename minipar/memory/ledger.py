@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from minipar import autograd
+from minipar.core import autograd
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 TIERS = ("device", "cpu", "disk")

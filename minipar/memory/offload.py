@@ -32,7 +32,7 @@ from collections import Counter
 
 import numpy as np
 
-from minipar import backend
+from minipar.core import backend
 
 TIERS = ("device", "cpu", "disk")
 POLICIES = ("lru", "opt")

@@ -25,7 +25,7 @@ import json
 import math
 from fractions import Fraction
 
-from minipar.arguments import OneLineParser
+from minipar.trainer.arguments import OneLineParser
 
 STAGES = (0, 1, 2, 3)
 PARTITIONED = {

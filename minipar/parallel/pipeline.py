@@ -23,9 +23,9 @@ from fractions import Fraction
 
 import numpy as np
 
-from minipar import backend
-from minipar.autograd import Tensor
-from minipar.nn import Module
+from minipar.core import backend
+from minipar.core.autograd import Tensor
+from minipar.core.nn import Module
 from minipar.parallel.schedules import build_schedule, check_schedule
 
 

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from fractions import Fraction
 
-from minipar.arguments import OneLineParser
+from minipar.trainer.arguments import OneLineParser
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,10 @@ Lesson: lessons/05_tensor_parallel.md.
 
 from __future__ import annotations
 
-from minipar import functional as F
-from minipar.autograd import Function
-from minipar.backend import xp_of
-from minipar.nn import Module, Parameter, Shard, causal_attention
+from minipar.core import functional as F
+from minipar.core.autograd import Function
+from minipar.core.backend import xp_of
+from minipar.core.nn import Module, Parameter, Shard, causal_attention
 
 # ---- the conjugate operators f and g ---------------------------------------------------------------
 

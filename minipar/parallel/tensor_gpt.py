@@ -12,7 +12,7 @@ replicas compose around it. Lesson: lessons/05_tensor_parallel.md.
 
 from __future__ import annotations
 
-from minipar.nn import GPT, Block, GPTConfig, GPTEmbedding, GPTHead, Module, ModuleList
+from minipar.core.nn import GPT, Block, GPTConfig, GPTEmbedding, GPTHead, Module, ModuleList
 from minipar.parallel.tensor import (
     ColumnParallelLinear,
     ParallelAttention,

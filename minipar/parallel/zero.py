@@ -22,12 +22,12 @@ Lesson: lessons/04_zero.md.
 
 from __future__ import annotations
 
-from minipar import autograd
-from minipar.autograd import Function, Tensor
-from minipar.backend import xp_of
-from minipar.logical_state import flat_unit_buffer, flat_unit_pieces
+from minipar.core import autograd
+from minipar.core.autograd import Function, Tensor
+from minipar.core.backend import xp_of
 from minipar.memory.ledger import buffer_meter
-from minipar.parallel.data import check_replicas_identical, unflatten
+from minipar.parallel.ddp import check_replicas_identical, unflatten
+from minipar.parallel.logical_state import flat_unit_buffer, flat_unit_pieces
 
 
 def padded_numel(numel: int, parts: int) -> int:

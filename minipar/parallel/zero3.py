@@ -16,9 +16,9 @@ Lesson: lessons/04_zero.md.
 
 from __future__ import annotations
 
-from minipar.backend import current as current_backend
+from minipar.core.backend import current as current_backend
 from minipar.memory.ledger import buffer_meter
-from minipar.parallel.data import unflatten
+from minipar.parallel.ddp import unflatten
 from minipar.parallel.zero import BackwardHook, ZeroStage2
 
 

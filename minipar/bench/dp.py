@@ -1,0 +1,177 @@
+"""`python -m minipar bench dp`: measured tokens/s of data parallelism, and the bytes it sends.
+
+Runs `python -m minipar train` under `mpiexec -n 1` and `mpiexec -n N` (N = 2 by default) on the
+same global batch, reads the JSON-lines logs, and prints for each N: the median tokens/s over the
+steps after a warm-up, the speed-up over N = 1, and rank 0's bytes sent per step beside the ring
+all-reduce's 2(N-1)/N x gradient bytes. To show where the missing speed-up goes it also times one
+process on a single replica's share of the batch (B/N): the speed-up that computing alone allows;
+and one all-reduce of the whole gradient on its own: what the communication costs.
+Lesson: lessons/03_data_parallel.md.
+
+    python -m minipar bench dp [--sizes 1 2] [--steps 20] [--warmup 3] [--repeats 3] [--json] [train options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from minipar.core.nn import GPT, MLPNet
+from minipar.trainer.build import model_config
+from minipar.trainer.cli import parse_train_args
+
+DEFAULT_TRAIN_ARGS = ["--batch-size", "32"]
+
+
+def mpiexec() -> str:
+    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def run_mpi(ranks: int, args: list[str]) -> str:
+    """Run `python ARGS` on `ranks` processes and return their standard output."""
+    command = [mpiexec(), "-n", str(ranks), sys.executable, *args]
+    # One BLAS thread per process: each rank stands for one device, and two ranks sharing cores with
+    # their own thread pools would measure oversubscription, not data parallelism.
+    env = {**os.environ, "MPIEXEC_TIMEOUT": os.environ.get("MPIEXEC_TIMEOUT", "600"),
+           **{name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def run_train(ranks: int, train_args: list[str], log: Path) -> list[dict]:
+    """Run `minipar train` on `ranks` processes and return rank 0's log records."""
+    run_mpi(ranks, ["-m", "minipar", "train", *train_args, "--quiet", "--log", str(log)])
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def all_reduce_seconds(nbytes: int, repeats: int = 20) -> float:
+    """Under mpiexec: the median seconds of one all-reduce of `nbytes` over COMM_WORLD."""
+    from mpi4py import MPI
+
+    from minipar.dist.comm import Comm
+
+    comm, buffer, times = Comm(MPI.COMM_WORLD), np.ones(nbytes // 8), []
+    for _ in range(repeats):
+        comm.barrier()
+        started = time.perf_counter()
+        comm.all_reduce(buffer)
+        times.append(time.perf_counter() - started)
+    return comm.allreduce_obj(float(np.median(times)), op="max")
+
+
+def gradient_bytes(train_args: list[str]) -> int:
+    """Bytes of one full gradient: every parameter of the model, in the training dtype."""
+    cfg = parse_train_args(train_args)
+    model = (GPT if cfg.model == "gpt" else MLPNet)(model_config(cfg), seed=None)
+    return sum(p.data.nbytes for p in model.parameters())
+
+
+def median(records: list[dict], key) -> float:
+    return float(np.median([key(r) for r in records]))
+
+
+def measure(sizes: list[int], steps: int, warmup: int, repeats: int, train_args: list[str]) -> dict:
+    args = [*train_args, "--steps", str(steps)]
+    batch = parse_train_args(args).batch_size
+    grad_bytes = gradient_bytes(args)
+    # the records after warm-up of every repeat, and the all-reduce probe's times
+    kept = {(kind, n): [] for kind in ("dp", "share", "all_reduce") for n in sizes}
+    with tempfile.TemporaryDirectory() as folder:
+        for _ in range(repeats):  # interleaved, so that a change in the machine's load hits every size alike
+            for n in sizes:
+                kept["dp", n] += run_train(n, args, Path(folder) / "dp.jsonl")[warmup:]
+                if n > 1:
+                    share = [*args, "--batch-size", str(batch // n)]
+                    kept["share", n] += run_train(1, share, Path(folder) / "share.jsonl")[warmup:]
+                    probe = ["-m", "minipar.bench.dp", "--all-reduce-seconds", str(grad_bytes)]
+                    kept["all_reduce", n].append(float(run_mpi(n, probe)))
+    rows = []
+    for n in sizes:
+        records, share = kept["dp", n], kept["share", n] or kept["dp", n]
+        rows.append({
+            "dp": n,
+            "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
+            "step_s": median(records, lambda r: r["time_s"]),
+            "share_step_s": median(share, lambda r: r["time_s"]),
+            "all_reduce_s": float(np.median(kept["all_reduce", n])) if n > 1 else 0.0,
+            "sent_bytes_per_step": int(median(records, lambda r: r["comm"]["sent_bytes"])),
+            "messages_per_step": int(median(records, lambda r: r["comm"]["messages"])),
+            "ring_formula_bytes": 2 * (n - 1) * grad_bytes / n,
+        })
+    base = rows[0]
+    for row in rows:
+        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["compute_only_speedup"] = base["step_s"] / row["share_step_s"]
+        row["buckets"] = row["messages_per_step"] // (2 * (row["dp"] - 1)) if row["dp"] > 1 else 0
+    return {"train_args": args, "global_batch": batch, "gradient_bytes": grad_bytes, "repeats": repeats,
+            "rows": rows}
+
+
+COLUMNS = [  # (header, how to show a row's figure)
+    ("dp", lambda r: r["dp"]),
+    ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
+    ("speed-up", lambda r: f"{r['speedup']:.2f}x"),
+    ("compute-only", lambda r: f"{r['compute_only_speedup']:.2f}x"),
+    ("step ms", lambda r: f"{r['step_s'] * 1e3:.1f}"),
+    ("all-reduce G ms", lambda r: f"{r['all_reduce_s'] * 1e3:.2f}"),
+    ("sent B/step", lambda r: r["sent_bytes_per_step"]),
+    ("2(N-1)/N*grad B", lambda r: f"{r['ring_formula_bytes']:.0f}"),
+    ("messages", lambda r: r["messages_per_step"]),
+    ("buckets", lambda r: r["buckets"]),
+]
+
+
+def render(figures: dict, warmup: int) -> str:
+    rows = [[str(show(r)) for _, show in COLUMNS] for r in figures["rows"]]
+    table = [[header for header, _ in COLUMNS]] + rows
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    return "\n".join(
+        [f"minipar train {' '.join(figures['train_args'])}",
+         f"same global batch of {figures['global_batch']} for every dp; medians over {figures['repeats']} "
+         f"interleaved runs of each, after {warmup} warm-up steps",
+         f"gradient bytes {figures['gradient_bytes']}"]
+        + ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+        + ["compute-only: the speed-up if each rank only computed (one process timed on B/dp samples)",
+           "all-reduce G: one all-reduce of the whole gradient alone (a separate run, median of 20)"])
+
+
+def main(argv) -> int:
+    p = argparse.ArgumentParser(prog="minipar bench dp", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="data-parallel sizes, starting at 1")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="steps of each run left out of the medians")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each size, interleaved")
+    p.add_argument("--json", action="store_true")
+    args, train_args = p.parse_known_args(argv)
+    train_args = train_args or DEFAULT_TRAIN_ARGS
+    batch = parse_train_args(train_args).batch_size
+    sizes_fit = args.sizes[0] == 1 and all(n >= 1 and batch % n == 0 for n in args.sizes)
+    if not sizes_fit or args.steps <= args.warmup or args.repeats < 1:
+        print(f"minipar bench dp: error: --sizes must start at 1 and divide the batch {batch}, "
+              f"--steps must exceed --warmup, and --repeats must be positive", file=sys.stderr)
+        return 2
+    figures = measure(args.sizes, args.steps, args.warmup, args.repeats, train_args)
+    print(json.dumps(figures) if args.json else render(figures, args.warmup), flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # the all-reduce probe that measure() launches under mpiexec
+    if sys.argv[1:2] == ["--all-reduce-seconds"]:
+        seconds = all_reduce_seconds(int(sys.argv[2]))
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.rank == 0:
+            print(seconds)

@@ -1,0 +1,91 @@
+"""`python -m minipar bench layouts`: every way of laying N ranks out as dp x pp x tp, measured.
+
+Runs `python -m minipar train` under `mpiexec -n N` once per factorisation (same model, same global
+batch) and prints, from rank 0's log, the tokens/s, what rank 0 holds (model states, activation peak)
+and what each parallel dimension sends per step, with the pipeline's measured bubble.
+Lesson: lessons/07_3d.md.
+
+    python -m minipar bench layouts [--ranks 8] [--steps 6] [--zero 1] [--json] [train options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from minipar.bench.dp import run_train
+from minipar.trainer.cli import parse_train_args
+from minipar.trainer.config import validate
+
+
+def factorisations(n: int) -> list[tuple[int, int, int]]:
+    """Every (dp, pp, tp) with dp * pp * tp = n."""
+    return [(dp, pp, n // (dp * pp)) for dp in range(1, n + 1) for pp in range(1, n + 1)
+            if n % (dp * pp) == 0]
+
+
+def measure_layout(ranks, layout, steps, warmup, zero, train_args, folder) -> dict:
+    dp, pp, tp = layout
+    args = [*train_args, "--dp", str(dp), "--pp", str(pp), "--tp", str(tp), "--zero", str(zero),
+            "--steps", str(steps)]
+    records = run_train(ranks, args, Path(folder) / "layout.jsonl")[warmup:]
+    last = records[-1]
+    by_dim = last["comm"].get("by_dim", {})
+    bubbles = [r["pipeline"]["bubble_measured"] for r in records if r.get("pipeline")]
+    return {
+        "dp": dp, "pp": pp, "tp": tp,
+        "tokens_per_s": float(np.median([r["tokens_per_s"] for r in records])),
+        "model_states": last["mem"]["params"] + last["mem"]["grads"] + last["mem"]["optimizer"],
+        "activations_peak": last["mem"]["activations_peak"],
+        "dp_bytes": by_dim.get("dp", 0), "pp_bytes": by_dim.get("pp", 0), "tp_bytes": by_dim.get("tp", 0),
+        "bubble": float(np.median(bubbles)) if bubbles else None,
+    }
+
+
+def render(rows: list[dict], header: str) -> str:
+    columns = ["dp", "pp", "tp", "tokens/s", "model states B", "activations B", "dp B/step", "pp B/step",
+               "tp B/step", "bubble"]
+    table = [columns] + [[str(r["dp"]), str(r["pp"]), str(r["tp"]), f"{r['tokens_per_s']:.0f}",
+                          f"{r['model_states']:,}", f"{r['activations_peak']:,}", f"{r['dp_bytes']:,}",
+                          f"{r['pp_bytes']:,}", f"{r['tp_bytes']:,}",
+                          "-" if r["bubble"] is None else f"{r['bubble']:.2f}"] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+    return "\n".join([header] + ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table])
+
+
+def main(argv) -> int:
+    p = argparse.ArgumentParser(prog="minipar bench layouts", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--zero", type=int, default=1, choices=(0, 1))
+    p.add_argument("--json", action="store_true")
+    args, train_args = p.parse_known_args(argv)
+    train_args = train_args or ["--microbatches", "4", "--batch-size", "16"]
+    if args.ranks < 1 or args.steps <= args.warmup:
+        print("minipar bench layouts: error: --ranks must be positive and --steps exceed --warmup",
+              file=sys.stderr)
+        return 2
+    layouts, skipped = [], []
+    for dp, pp, tp in factorisations(args.ranks):
+        cfg = parse_train_args([*train_args, "--dp", str(dp), "--pp", str(pp), "--tp", str(tp)])
+        errors = validate(cfg, args.ranks)
+        if errors:
+            skipped.append(f"  dp={dp} pp={pp} tp={tp}: {errors[0]}")
+        else:
+            layouts.append((dp, pp, tp))
+    with tempfile.TemporaryDirectory() as folder:
+        rows = [measure_layout(args.ranks, layout, args.steps, args.warmup, args.zero, train_args, folder)
+                for layout in layouts]
+    header = (f"{args.ranks} ranks, minipar train {' '.join(train_args)} --zero {args.zero}; "
+              "rank 0's figures, "
+              f"medians over {args.steps - args.warmup} steps after {args.warmup} warm-up")
+    if skipped and not args.json:
+        header += "\nnot possible with this model:\n" + "\n".join(skipped)
+    print(json.dumps(rows) if args.json else render(rows, header), flush=True)
+    return 0

@@ -1,0 +1,291 @@
+"""Sharded checkpoints: every rank writes the pieces it holds; any layout reads them back.
+
+The idea: a checkpoint stores the *logical* training state (logical_state.py: each parameter's full
+tensor and its optimizer states, as pieces with their place in it) and not the saving layout's
+buffers. Each rank writes one file of its pieces, each piece once (the lowest rank holding a replica
+writes it); rank 0 then writes a manifest naming the step, the model, the layout, every logical
+tensor's full shape and where its pieces are. To resume, each rank reads the pieces of the tensors it
+needs, puts each tensor back together and cuts its own piece for the new layout: dp, tp, pp, ZeRO
+stage and world size may all change.
+
+    DIR/manifest.json               the commit point: written last, atomically
+    DIR/step-000006/rank00000.npz   one file per rank of the saving layout: {"name/kind": piece}
+    DIR/step-000006/rank00001.npz   ...
+
+Atomic: every file is written as NAME.tmp, fsynced and renamed (a rename is all or nothing), and a
+save goes to a new step folder; only once every rank's file is in place does rank 0 replace the
+manifest the same way, and only then remove the previous folder. A crash at any moment leaves the
+old manifest with its complete folder, or the new manifest with its.
+
+What is saved: the parameters and optimizer states, the optimizer's step count, the loss scaler (fp16)
+and the step. The step is also the data position and the random state: a batch is a pure function of
+(seed, step), and training draws no other random numbers (dropout is 0), so the seed and the step
+restore every generator. What it costs: one read of every piece a rank needs, and at load time every
+rank reads the manifest and checks every file's size and SHA-256 before any collective, so a bad
+checkpoint is one error on every rank, not a hang. Every rank must see DIR (one machine, or a shared
+file system), as with PyTorch's distributed checkpoints. Lesson: lessons/12_reliability.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from minipar.parallel.logical_state import Piece, assemble
+from minipar.trainer import build as hybrid
+
+FORMAT = "minipar-checkpoint-1"
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message is one line, for the user."""
+
+
+# ---- saving ----------------------------------------------------------------------------------------
+
+
+def save(directory, trainer, step: int) -> None:
+    """Write the state of `trainer` after `step` steps to `directory`. Collective over the world."""
+    directory, world = Path(directory), trainer.world
+    held = trainer.engine.updater.checkpoint_pieces()
+    keys = {(name, kind, piece) for name, kinds in held.items() for kind, (piece, _) in kinds.items()
+            if piece.full_shape != ()}  # counts (AdamW's step) go into the manifest
+    counts = {name: {kind: int(count) for kind, (piece, count) in kinds.items() if piece.full_shape == ()}
+              for name, kinds in held.items()}
+    earlier = set().union(*world.allgather_obj(keys)[: world.rank])  # held by a lower rank: it writes them
+    mine = sorted(keys - earlier, key=lambda key: key[:2])
+    folder = world.bcast_obj(new_folder(directory, step) if world.rank == 0 else None)
+    file = f"{folder}/rank{world.rank:05d}.npz"
+    arrays = {f"{name}/{kind}": held[name][kind][1] for name, kind, _ in mine}
+    size, digest = write_npz(directory / file, arrays, world.rank)
+    files = world.gather_obj((file, size, digest, mine, counts))
+    if world.rank == 0:
+        manifest = build_manifest(trainer, step, folder, files)
+        write_atomically(directory / MANIFEST, manifest_text(manifest).encode(), 0, "manifest")
+        remove_old_folders(directory, keep=folder)
+    world.bcast_obj(None)  # no rank returns before the checkpoint is committed
+
+
+def new_folder(directory: Path, step: int) -> str:
+    """A fresh folder for this save's files, never the one the current manifest names."""
+    current = committed_folder(directory)
+    name, n = f"step-{step:06d}", 0
+    while name == current:
+        n += 1
+        name = f"step-{step:06d}.{n}"
+    shutil.rmtree(directory / name, ignore_errors=True)  # left behind by a save that crashed
+    (directory / name).mkdir(parents=True)
+    return name
+
+
+def committed_folder(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / MANIFEST).read_text())["folder"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_npz(path: Path, arrays: dict, rank: int) -> tuple[int, str]:
+    """Write the arrays as one .npz file, atomically; return its size and SHA-256."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    data = buffer.getvalue()
+    write_atomically(path, data, rank, "shard")
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def write_atomically(path: Path, data: bytes, rank: int, phase: str) -> None:
+    """PATH.tmp, written and fsynced, then renamed to PATH: readers see the old file or the new, whole."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as f:
+        f.write(data[: len(data) // 2])
+        inject_save_fault(rank, phase)  # tests: a crash with the file half written
+        f.write(data[len(data) // 2 :])
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    fsync_directory(path.parent)  # the rename itself reaches the disk
+
+
+def fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def inject_save_fault(rank: int, phase: str) -> None:
+    """MINIPAR_FAULT=rank:R,save:PHASE raises on rank R halfway through writing its shard file
+    (PHASE shard) or the manifest (PHASE manifest, rank 0): a save killed midway, for the tests."""
+    spec = os.environ.get("MINIPAR_FAULT", "")
+    fault = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)
+    if fault.get("rank") == str(rank) and fault.get("save") == phase:
+        raise RuntimeError(f"injected fault on rank {rank} while saving its {phase} (MINIPAR_FAULT={spec})")
+
+
+def build_manifest(trainer, step: int, folder: str, files: list) -> dict:
+    cfg, tensors = trainer.cfg, {}
+    for file, _, _, entries, _ in files:
+        for name, kind, piece in entries:
+            tensor = tensors.setdefault(name, {"shape": list(piece.full_shape), "counts": {}, "pieces": {}})
+            tensor["pieces"].setdefault((file, piece), {"file": file, **piece.to_json(), "kinds": []})
+            tensor["pieces"][(file, piece)]["kinds"].append(kind)
+    for *_, counts in files:
+        for name, held in counts.items():
+            tensors[name]["counts"].update(held)
+    for tensor in tensors.values():
+        tensor["pieces"] = list(tensor["pieces"].values())
+    return {
+        "format": FORMAT,
+        "step": step,
+        "seed": cfg.seed,
+        "model": model_identity(cfg),
+        "layout": {"world_size": trainer.world.size, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
+                   "zero": cfg.zero, "offload": cfg.offload, "precision": cfg.precision},
+        "loss_scaler": scaler_state(trainer.engine.updater),
+        "folder": folder,
+        "files": {file: {"bytes": size, "sha256": digest} for file, size, digest, _, _ in files},
+        "tensors": dict(sorted(tensors.items())),
+    }
+
+
+def manifest_text(manifest: dict) -> str:
+    """The manifest as JSON that a reader can scan: one line per logical tensor."""
+    tensors = ",\n".join(f"  {json.dumps(name)}: {json.dumps(tensor)}"
+                          for name, tensor in manifest["tensors"].items())
+    text = json.dumps({**manifest, "tensors": None}, indent=1)
+    return text.replace('"tensors": null', '"tensors": {\n' + tensors + "\n }") + "\n"
+
+
+def remove_old_folders(directory: Path, keep: str) -> None:
+    for path in directory.glob("step-*"):
+        if path.is_dir() and path.name != keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def model_identity(cfg) -> dict:
+    """What a checkpoint and a run must agree on: the model (so every tensor's name and shape) and the
+    optimizer (so its states). Layout and precision may differ: the tensors are re-cut and cast."""
+    model = dataclasses.asdict(hybrid.model_config(cfg))
+    model.pop("dtype")
+    return {"model": cfg.model, **model, "optimizer": cfg.optimizer}
+
+
+def scaler_state(updater) -> dict | None:
+    """The fp16 loss scaler's state (mixed_precision.py), or None when there is none."""
+    scaler = getattr(updater.optimizer, "scaler", None)
+    return scaler.state_dict() if scaler is not None else None
+
+
+# ---- checking and loading ----------------------------------------------------------------------------
+
+
+def read_manifest(directory, cfg) -> dict:
+    """The manifest of a checkpoint this run can resume from; CheckpointError (one line) otherwise.
+
+    No collective: every rank runs it and reaches the same verdict. Checks that the manifest is there
+    and whole, that every file it names is there with its size and SHA-256, and that the checkpoint
+    is of this model and optimizer, at a step no later than --steps."""
+    directory = Path(directory)
+    where = f"--resume {directory}"
+    if not directory.is_dir():
+        raise CheckpointError(f"{where}: no such directory")
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{where}: no {MANIFEST} (not a checkpoint, or a save that never finished)") \
+            from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{where}: {MANIFEST} is unreadable or truncated ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: {MANIFEST} is not a {FORMAT} manifest")
+    try:
+        check_against(manifest, directory, cfg, where)
+    except (KeyError, TypeError, AttributeError) as e:  # valid JSON, but not what save() writes
+        raise CheckpointError(f"{where}: {MANIFEST} is malformed (at {e!r})") from None
+    return manifest
+
+
+def check_against(manifest: dict, directory: Path, cfg, where: str) -> None:
+    for file, expected in manifest["files"].items():
+        check_file(directory / file, expected, f"{where}: {file}")
+    differences = [f"{key} {manifest['model'].get(key)!r} there, {value!r} here"
+                   for key, value in model_identity(cfg).items() if manifest["model"].get(key) != value]
+    if differences:
+        raise CheckpointError(f"{where}: a checkpoint of another model ({', '.join(differences)})")
+    if manifest["seed"] != cfg.seed:
+        raise CheckpointError(f"{where}: saved with --seed {manifest['seed']}, and the data position "
+                              f"is (seed, step): resume with --seed {manifest['seed']}")
+    if manifest["step"] > cfg.steps:
+        raise CheckpointError(f"{where}: the checkpoint is at step {manifest['step']}, past --steps "
+                              f"{cfg.steps} (--steps counts all steps, those before the checkpoint too)")
+
+
+def check_file(path: Path, expected: dict, what: str) -> None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        raise CheckpointError(f"{what} is missing") from None
+    if len(data) != expected["bytes"]:
+        raise CheckpointError(f"{what} is truncated or altered: {len(data)} bytes, the manifest says "
+                              f"{expected['bytes']}")
+    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise CheckpointError(f"{what} is corrupt: its SHA-256 differs from the manifest's")
+
+
+def problems(cfg) -> list[str]:
+    """config.validate's check of --resume: [] or the one-line reason the checkpoint is refused."""
+    try:
+        read_manifest(cfg.resume, cfg)
+    except CheckpointError as e:
+        return [str(e)]
+    return []
+
+
+class SavedState:
+    """The logical tensors of a checkpoint, read on demand: state[name] -> {kind: full array}.
+
+    A rank asks only for the parameters it holds, and reads only their pieces from the files."""
+
+    def __init__(self, directory: Path, manifest: dict):
+        self.directory, self.tensors, self.files = directory, manifest["tensors"], {}
+
+    def __getitem__(self, name: str) -> dict:
+        tensor, pieces = self.tensors[name], {}
+        for entry in tensor["pieces"]:
+            piece = Piece.from_json(entry, tensor["shape"])
+            for kind in entry["kinds"]:
+                pieces.setdefault(kind, []).append((piece, self.file(entry["file"])[f"{name}/{kind}"]))
+        return {**{kind: assemble(held) for kind, held in pieces.items()}, **tensor["counts"]}
+
+    def file(self, name: str):
+        if name not in self.files:
+            self.files[name] = np.load(self.directory / name)
+        return self.files[name]
+
+    def close(self):
+        for file in self.files.values():
+            file.close()
+
+
+def load(directory, trainer) -> int:
+    """Set the trainer's state from the checkpoint in `directory`; return its step. No collective."""
+    manifest = read_manifest(directory, trainer.cfg)
+    state = SavedState(Path(directory), manifest)
+    try:
+        trainer.engine.updater.load_logical(state)
+    finally:
+        state.close()
+    scaler = getattr(trainer.engine.updater.optimizer, "scaler", None)
+    if scaler is not None and manifest["loss_scaler"] is not None:
+        scaler.load_state_dict(manifest["loss_scaler"])
+    return manifest["step"]

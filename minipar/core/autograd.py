@@ -1,0 +1,258 @@
+"""Reverse-mode automatic differentiation on plain arrays.
+
+The idea: every operation is a `Function` with a `forward` (arrays in, array out) and a `backward`
+(gradient of the output in, gradients of the inputs out). Applying a Function to `Tensor`s records a
+node; `Tensor.backward()` walks the nodes in reverse topological order and accumulates gradients into
+the leaves, exactly as PyTorch's autograd does. It knows nothing of MPI: parallel techniques are written
+as Functions too (the f/g operators, pipeline send/recv), which is why the shape matches PyTorch's.
+
+What it costs: the tensors a Function saves for backward are the activation memory of training; they
+are counted by `activation_meter`, the number that pipeline schedules and ZeRO trade against.
+Lesson: lessons/01_autograd.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from minipar.core.backend import xp_of
+
+_grad_enabled = True
+_output_cast = None  # set by mixed precision: rounds every op's output and input-gradient
+
+
+class ActivationMeter:
+    """Bytes of tensors saved for backward: current and peak since the last reset."""
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+        self.on_change = None  # a memory ledger may listen (autograd itself knows nothing of it)
+
+    def add(self, nbytes: int):
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        if self.on_change:
+            self.on_change(self.current)
+
+    def release(self, nbytes: int):
+        self.current -= nbytes
+        if self.on_change:
+            self.on_change(self.current)
+
+    def reset_peak(self):
+        self.peak = self.current
+
+
+activation_meter = ActivationMeter()
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Run operations without recording a graph (evaluation, optimizer updates)."""
+    global _grad_enabled
+    previous, _grad_enabled = _grad_enabled, False
+    try:
+        yield
+    finally:
+        _grad_enabled = previous
+
+
+@contextlib.contextmanager
+def cast_outputs(cast):
+    """Round every Function's output and every gradient it returns with `cast` (mixed precision)."""
+    global _output_cast
+    previous, _output_cast = _output_cast, cast
+    try:
+        yield
+    finally:
+        _output_cast = previous
+
+
+class Tensor:
+    """An array with an optional gradient and the node that produced it."""
+
+    __array_priority__ = 1000  # so `ndarray + Tensor` defers to Tensor.__radd__
+
+    def __init__(self, data, requires_grad: bool = False):
+        self.data = data
+        self.grad = None
+        self.requires_grad = requires_grad
+        self.node = None  # (function class, ctx, input tensors) for non-leaf tensors
+
+    shape = property(lambda self: self.data.shape)
+    dtype = property(lambda self: self.data.dtype)
+    ndim = property(lambda self: self.data.ndim)
+    size = property(lambda self: self.data.size)
+
+    def __repr__(self):
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}, requires_grad={self.requires_grad})"
+
+    def numpy(self):
+        return self.data
+
+    def item(self) -> float:
+        return float(self.data)
+
+    def detach(self) -> Tensor:
+        return Tensor(self.data)
+
+    def backward(self, grad=None):
+        """Accumulate d(self)/d(leaf) into every leaf's `.grad` that requires grad."""
+        if grad is None:
+            grad = xp_of(self.data).ones_like(self.data)
+        grads = {id(self): grad}
+        for tensor in reversed(_topological_order(self)):
+            g = grads.pop(id(tensor), None)
+            if g is None:
+                continue
+            if tensor.node is None:
+                tensor.grad = g if tensor.grad is None else tensor.grad + g
+                continue
+            function, ctx, inputs = tensor.node
+            input_grads = function.backward(ctx, g)
+            if not isinstance(input_grads, tuple):
+                input_grads = (input_grads,)
+            ctx.release()
+            tensor.node = None  # free the graph as we go, like PyTorch's retain_graph=False
+            for parent, pg in zip(inputs, input_grads):
+                if pg is None or not isinstance(parent, Tensor) or not parent.requires_grad:
+                    continue
+                if _output_cast is not None:
+                    pg = _output_cast(pg)
+                if parent.node is None:  # a leaf: accumulate now, as PyTorch's AccumulateGrad does, so
+                    parent.grad = pg if parent.grad is None else parent.grad + pg  # later hooks see it
+                    continue
+                if id(parent) in grads:  # used by several ops: the gradients add, an op like any other
+                    pg = grads[id(parent)] + pg
+                    pg = _output_cast(pg) if _output_cast is not None else pg
+                grads[id(parent)] = pg
+
+    # Operators map onto minipar.core.functional (imported lazily: functional builds on this module).
+    def __add__(self, other):
+        return _F().add(self, other)
+
+    def __radd__(self, other):
+        return _F().add(other, self)
+
+    def __sub__(self, other):
+        return _F().sub(self, other)
+
+    def __rsub__(self, other):
+        return _F().sub(other, self)
+
+    def __mul__(self, other):
+        return _F().mul(self, other)
+
+    def __rmul__(self, other):
+        return _F().mul(other, self)
+
+    def __truediv__(self, other):
+        return _F().div(self, other)
+
+    def __rtruediv__(self, other):
+        return _F().div(other, self)
+
+    def __neg__(self):
+        return _F().neg(self)
+
+    def __pow__(self, exponent):
+        return _F().pow(self, exponent)
+
+    def __matmul__(self, other):
+        return _F().matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return _F().matmul(other, self)
+
+    def __getitem__(self, index):
+        return _F().getitem(self, index)
+
+    def sum(self, axis=None, keepdims=False):
+        return _F().sum(self, axis, keepdims)
+
+    def mean(self, axis=None, keepdims=False):
+        return _F().mean(self, axis, keepdims)
+
+    def max(self, axis=None, keepdims=False):
+        return _F().max(self, axis, keepdims)
+
+    def reshape(self, *shape):
+        return _F().reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
+
+    def transpose(self, *axes):
+        return _F().transpose(self, axes if axes else None)
+
+    @property
+    def T(self):
+        return _F().transpose(self, None)
+
+
+def _F():
+    from minipar.core import functional
+
+    return functional
+
+
+def _topological_order(root: Tensor) -> list[Tensor]:
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:
+        tensor, children_done = stack.pop()
+        if children_done:
+            order.append(tensor)
+            continue
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        stack.append((tensor, True))
+        if tensor.node is not None:
+            for parent in tensor.node[2]:
+                if isinstance(parent, Tensor) and id(parent) not in seen:
+                    stack.append((parent, False))
+    return order
+
+
+class Context:
+    """What forward leaves for backward. Saved arrays are counted as activation memory."""
+
+    def __init__(self):
+        self.saved = ()
+        self._saved_bytes = 0
+        self.needs_input_grad = ()
+
+    def save_for_backward(self, *arrays):
+        self.saved = arrays
+        self._saved_bytes = sum(a.nbytes for a in arrays if hasattr(a, "nbytes"))
+        activation_meter.add(self._saved_bytes)
+
+    def release(self):
+        activation_meter.release(self._saved_bytes)
+        self._saved_bytes = 0
+        self.saved = ()
+
+
+class Function:
+    """An operation with a forward and a backward rule, applied to Tensors or arrays.
+
+    Subclasses define `forward(ctx, *args)` on raw arrays (non-array arguments pass through) and
+    `backward(ctx, grad_output)` returning one gradient per positional argument (None where there
+    is none). Parameters are read through `ctx.inputs` in backward, never copied, so ZeRO-3 may
+    free and re-gather them between forward and backward.
+    """
+
+    @classmethod
+    def apply(cls, *args):
+        ctx = Context()
+        ctx.inputs = args
+        arrays = [a.data if isinstance(a, Tensor) else a for a in args]
+        needs_grad = _grad_enabled and any(isinstance(a, Tensor) and a.requires_grad for a in args)
+        ctx.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        out = cls.forward(ctx, *arrays)
+        if _output_cast is not None:
+            out = _output_cast(out)
+        result = Tensor(out, requires_grad=needs_grad)
+        if needs_grad:
+            result.node = (cls, ctx, args)
+        else:
+            ctx.release()
+        return result

@@ -1,0 +1,203 @@
+"""The operations of neural-network layers, with backward rules: GELU, softmax, losses, LayerNorm,
+embedding lookup and dropout.
+
+Part of `minipar.core.functional` (imported as F). Integer inputs (token ids, targets) are plain integer
+arrays, never Tensors; randomness (dropout) comes only from an explicit generator.
+Lesson: lessons/01_autograd.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+from minipar.core.autograd import Function, Tensor
+from minipar.core.backend import xp_of
+from minipar.core.tensor_ops import mul, sub, sum
+
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _data(x):
+    return x.data if isinstance(x, Tensor) else x
+
+
+# ---- activations ----------------------------------------------------------------------------------
+
+
+def gelu_forward(x):
+    """GPT-2's tanh approximation of GELU on arrays."""
+    xp = xp_of(x)
+    return 0.5 * x * (1.0 + xp.tanh(GELU_C * (x + 0.044715 * x * x * x)))
+
+
+def gelu_backward(x, g):
+    xp = xp_of(x)
+    inner = GELU_C * (x + 0.044715 * x * x * x)
+    t = xp.tanh(inner)
+    d_inner = GELU_C * (1.0 + 3 * 0.044715 * x * x)
+    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner)
+
+
+class GELU(Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return gelu_forward(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return gelu_backward(ctx.saved[0], g)
+
+
+def gelu(a):
+    return GELU.apply(a)
+
+
+# ---- normalisation and losses -------------------------------------------------------------------
+
+
+class Softmax(Function):
+    @staticmethod
+    def forward(ctx, a, axis=-1):
+        xp = xp_of(a)
+        e = xp.exp(a - a.max(axis=axis, keepdims=True))
+        out = e / e.sum(axis=axis, keepdims=True)
+        ctx.save_for_backward(out)
+        ctx.axis = axis
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved
+        return out * (g - (g * out).sum(axis=ctx.axis, keepdims=True)), None
+
+
+class LogSoftmax(Function):
+    @staticmethod
+    def forward(ctx, a, axis=-1):
+        xp = xp_of(a)
+        shifted = a - a.max(axis=axis, keepdims=True)
+        out = shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
+        ctx.save_for_backward(out)
+        ctx.axis = axis
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved
+        return g - xp_of(out).exp(out) * g.sum(axis=ctx.axis, keepdims=True), None
+
+
+class CrossEntropy(Function):
+    """Cross-entropy of logits (N, C) against integer targets (N,): 'mean' or 'sum' over N."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, reduction="mean"):
+        xp = xp_of(logits)
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        exp = xp.exp(shifted)
+        sum_exp = exp.sum(axis=-1, keepdims=True)
+        rows = xp.arange(len(targets))
+        losses = xp.log(sum_exp[:, 0]) - shifted[rows, targets]
+        ctx.save_for_backward(exp / sum_exp)
+        ctx.targets, ctx.reduction = targets, reduction
+        total = losses.sum()
+        return total / len(targets) if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, g):
+        (probs,) = ctx.saved
+        grad = probs.copy()
+        grad[xp_of(grad).arange(len(ctx.targets)), ctx.targets] -= 1
+        scale = g / len(ctx.targets) if ctx.reduction == "mean" else g
+        return grad * scale, None, None
+
+
+class LayerNorm(Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps=1e-5):
+        xp = xp_of(x)
+        mu = x.mean(axis=-1, keepdims=True)
+        centred = x - mu
+        rstd = 1.0 / xp.sqrt((centred * centred).mean(axis=-1, keepdims=True) + eps)
+        xhat = centred * rstd
+        ctx.save_for_backward(xhat, rstd)
+        return xhat * weight + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        xhat, rstd = ctx.saved
+        weight = _data(ctx.inputs[1])
+        lead = tuple(range(g.ndim - 1))
+        gw = (g * xhat).sum(axis=lead) if ctx.needs_input_grad[1] else None
+        gb = g.sum(axis=lead) if ctx.needs_input_grad[2] else None
+        gxhat = g * weight
+        gx = rstd * (
+            gxhat
+            - gxhat.mean(axis=-1, keepdims=True)
+            - xhat * (gxhat * xhat).mean(axis=-1, keepdims=True)
+        )
+        return gx, gw, gb, None
+
+
+class Embedding(Function):
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.ids, ctx.weight_shape = ids, weight.shape
+        return weight[ids]
+
+    @staticmethod
+    def backward(ctx, g):
+        xp = xp_of(g)
+        grad = xp.zeros(ctx.weight_shape, dtype=g.dtype)
+        xp.add.at(grad, ctx.ids.reshape(-1), g.reshape(-1, g.shape[-1]))
+        return None, grad
+
+
+class Dropout(Function):
+    @staticmethod
+    def forward(ctx, x, p, generator):
+        keep = generator.random(x.shape) >= p
+        scale = 1.0 / (1.0 - p)
+        mask = xp_of(x).asarray(keep, dtype=x.dtype) * scale
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.saved[0], None, None
+
+
+def softmax(a, axis=-1):
+    return Softmax.apply(a, axis)
+
+
+def log_softmax(a, axis=-1):
+    return LogSoftmax.apply(a, axis)
+
+
+def cross_entropy(logits, targets, reduction="mean"):
+    """Like F.cross_entropy: logits (N, C), integer targets (N,)."""
+    return CrossEntropy.apply(logits, targets, reduction)
+
+
+def mse_loss(prediction, target, reduction="mean"):
+    diff = sub(prediction, target)
+    total = sum(mul(diff, diff))
+    return mul(total, 1.0 / _data(prediction).size) if reduction == "mean" else total
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    return LayerNorm.apply(x, weight, bias, eps)
+
+
+def embedding(ids, weight):
+    """Rows of `weight` (num_embeddings, dim) picked by the integer array `ids`."""
+    return Embedding.apply(ids, weight)
+
+
+def dropout(x, p, generator, training=True):
+    """Zero each element with probability p, scaling the rest; randomness only from `generator`."""
+    if not training or p == 0.0:
+        return x
+    return Dropout.apply(x, p, generator)

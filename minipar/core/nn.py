@@ -1,0 +1,224 @@
+"""Layers and models: Linear, Embedding, LayerNorm, MLP, CausalSelfAttention, Block, GPT, MLPNet.
+
+Names and shapes follow PyTorch (Linear.weight is (out, in)); the module system itself (Module,
+Parameter, how initial weights are drawn from (seed, name) and cut to shards) is in module.py and
+re-exported here, so `nn.Module` and `nn.Parameter` work as in PyTorch. Models expose `units()`: the
+blocks in execution order (embedding, transformer blocks, head), which pipeline parallelism partitions
+into stages, and `loss()`, applied after the last unit. Lesson: lessons/01_autograd.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minipar.core import functional as F
+from minipar.core.backend import current as current_backend
+from minipar.core.module import Module, ModuleList, Parameter, Shard, initial_value, shard_of  # noqa: F401
+
+
+class Linear(Module):
+    def __init__(self, in_features, out_features, bias=True, std=0.02, dtype="float64"):
+        super().__init__()
+        self.weight = Parameter((out_features, in_features), ("normal", std), dtype)
+        self.bias = Parameter((out_features,), ("zeros",), dtype) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(Module):
+    def __init__(self, num_embeddings, embedding_dim, std=0.02, dtype="float64"):
+        super().__init__()
+        self.weight = Parameter((num_embeddings, embedding_dim), ("normal", std), dtype)
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight)
+
+
+class LayerNorm(Module):
+    def __init__(self, dim, eps=1e-5, dtype="float64"):
+        super().__init__()
+        self.weight = Parameter((dim,), ("ones",), dtype)
+        self.bias = Parameter((dim,), ("zeros",), dtype)
+        self.eps = eps
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 13
+    block_size: int = 32
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 64
+    dtype: str = "float64"
+
+    @property
+    def residual_std(self) -> float:
+        """GPT-2 scales the projections into the residual stream by 1/sqrt(2 n_layer)."""
+        return 0.02 / math.sqrt(2 * self.n_layer)
+
+
+def causal_attention(q, k, v, n_head: int):
+    """Scaled dot-product attention with a causal mask; q, k, v are (B, T, n_head * head_dim)."""
+    B, T, C = q.shape
+    hd = C // n_head
+
+    def heads(t):
+        return t.reshape(B, T, n_head, hd).transpose(0, 2, 1, 3)
+
+    q, k, v = heads(q), heads(k), heads(v)
+    xp = current_backend().xp
+    mask = xp.triu(xp.full((T, T), -xp.inf, dtype=q.dtype), k=1)
+    scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hd)) + mask
+    y = F.softmax(scores, axis=-1) @ v
+    return y.transpose(0, 2, 1, 3).reshape(B, T, C)
+
+
+class CausalSelfAttention(Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.n_head = cfg.n_head
+        self.query = Linear(d, d, dtype=cfg.dtype)
+        # No key bias: softmax is blind to a shift shared by all keys, so its gradient would be pure
+        # roundoff, which Adam's normalisation turns into lr-sized noise that differs by layout.
+        self.key = Linear(d, d, bias=False, dtype=cfg.dtype)
+        self.value = Linear(d, d, dtype=cfg.dtype)
+        self.proj = Linear(d, d, std=cfg.residual_std, dtype=cfg.dtype)
+
+    def forward(self, x):
+        y = causal_attention(self.query(x), self.key(x), self.value(x), self.n_head)
+        return self.proj(y)
+
+
+class MLP(Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = Linear(cfg.d_model, 4 * cfg.d_model, dtype=cfg.dtype)
+        self.proj = Linear(4 * cfg.d_model, cfg.d_model, std=cfg.residual_std, dtype=cfg.dtype)
+        self.activation = F.gelu  # `train --fused` swaps in the fused-kernel GELU
+
+    def forward(self, x):
+        return self.proj(self.activation(self.fc(x)))
+
+
+class Block(Module):
+    """A pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig, attn: Module | None = None, mlp: Module | None = None):
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.d_model, dtype=cfg.dtype)
+        self.attn = attn or CausalSelfAttention(cfg)
+        self.ln_2 = LayerNorm(cfg.d_model, dtype=cfg.dtype)
+        self.mlp = mlp or MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPTEmbedding(Module):
+    """Token plus position embeddings: the first pipeline unit."""
+
+    def __init__(self, cfg: GPTConfig, wte: Module | None = None):
+        super().__init__()
+        self.wte = wte or Embedding(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype)
+        self.wpe = Embedding(cfg.block_size, cfg.d_model, dtype=cfg.dtype)
+
+    def forward(self, ids):
+        positions = current_backend().xp.arange(ids.shape[1])
+        return self.wte(ids) + self.wpe(positions)
+
+
+class GPTHead(Module):
+    """Final LayerNorm and the output projection to logits: the last pipeline unit."""
+
+    def __init__(self, cfg: GPTConfig, lm_head: Module | None = None):
+        super().__init__()
+        self.ln_f = LayerNorm(cfg.d_model, dtype=cfg.dtype)
+        self.lm_head = lm_head or Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=cfg.dtype)
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT(Module):
+    """A GPT-2 style decoder (untied input and output embeddings, so pipeline stages stay separate)."""
+
+    def __init__(self, cfg: GPTConfig, seed: int | None = 0):
+        super().__init__()
+        self.config = cfg
+        self.embed = GPTEmbedding(cfg)
+        self.blocks = ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.head = GPTHead(cfg)
+        if seed is not None:
+            self.init_parameters(seed)
+
+    def units(self):
+        return [("embed", self.embed)] + [(f"blocks.{i}", b) for i, b in enumerate(self.blocks)] + [
+            ("head", self.head)
+        ]
+
+    def forward(self, ids):
+        x = ids
+        for _, unit in self.units():
+            x = unit(x)
+        return x
+
+    @staticmethod
+    def loss(logits, targets, normaliser: int):
+        """Summed token cross-entropy divided by the global token count (the same in every layout)."""
+        V = logits.shape[-1]
+        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), "sum") * (1.0 / normaliser)
+
+
+@dataclass
+class MLPConfig:
+    d_in: int = 16
+    d_hidden: int = 64
+    d_out: int = 4
+    n_layer: int = 4
+    dtype: str = "float64"
+
+
+class DenseLayer(Module):
+    """Linear followed by GELU (or nothing, for the output layer): one pipeline unit of MLPNet."""
+
+    def __init__(self, d_in, d_out, activate: bool, dtype):
+        super().__init__()
+        self.linear = Linear(d_in, d_out, std=1.0 / math.sqrt(d_in), dtype=dtype)
+        self.activation = F.gelu if activate else None  # `train --fused` swaps in the fused GELU
+
+    def forward(self, x):
+        y = self.linear(x)
+        return self.activation(y) if self.activation else y
+
+
+class MLPNet(Module):
+    """A stack of dense layers trained by regression: the small model for quick experiments."""
+
+    def __init__(self, cfg: MLPConfig, seed: int | None = 0):
+        super().__init__()
+        self.config = cfg
+        widths = [cfg.d_in] + [cfg.d_hidden] * (cfg.n_layer - 1) + [cfg.d_out]
+        self.layers = ModuleList([DenseLayer(a, b, i < cfg.n_layer - 1, cfg.dtype)
+                                  for i, (a, b) in enumerate(zip(widths, widths[1:]))])
+        if seed is not None:
+            self.init_parameters(seed)
+
+    def units(self):
+        return [(f"layers.{i}", layer) for i, layer in enumerate(self.layers)]
+
+    def forward(self, x):
+        for _, unit in self.units():
+            x = unit(x)
+        return x
+
+    @staticmethod
+    def loss(prediction, targets, normaliser: int):
+        """Summed squared error divided by the global number of samples."""
+        return F.mse_loss(prediction, targets, "sum") * (1.0 / normaliser)

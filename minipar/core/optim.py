@@ -1,0 +1,87 @@
+"""Optimizers: SGD with momentum and AdamW, written over flat arrays.
+
+Each update rule is a function on flat arrays (`sgd_update`, `adamw_update`) so that ZeRO can run the
+same arithmetic on the shard of the flattened parameters a rank owns, with state only for that shard.
+The classes wrap those rules for ordinary, unsharded parameters, with PyTorch's names and defaults.
+Lesson: lessons/01_autograd.md (and 04 for the sharded use).
+"""
+
+from __future__ import annotations
+
+from minipar.core.backend import xp_of
+
+
+def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+    """One AdamW step in place, in PyTorch's order of operations (decoupled decay, bias correction)."""
+    xp = xp_of(param)
+    param *= 1 - lr * weight_decay
+    exp_avg *= beta1
+    exp_avg += (1 - beta1) * grad
+    exp_avg_sq *= beta2
+    exp_avg_sq += (1 - beta2) * grad * grad
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    denom = xp.sqrt(exp_avg_sq) / bias_correction2**0.5 + eps
+    param -= (lr / bias_correction1) * exp_avg / denom
+
+
+def sgd_update(param, grad, momentum_buffer, lr, momentum, weight_decay):
+    """One SGD step in place: PyTorch's momentum (buffer = momentum * buffer + grad)."""
+    if weight_decay:
+        grad = grad + weight_decay * param
+    if momentum:
+        momentum_buffer *= momentum
+        momentum_buffer += grad
+        grad = momentum_buffer
+    param -= lr * grad
+
+
+class Optimizer:
+    """Holds per-parameter state (flat arrays) and applies `update` to each parameter."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.state = [None] * len(self.params)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            if self.state[i] is None:
+                self.state[i] = self.init_state(p.data.size, p.data.dtype, xp_of(p.data))
+            self.update(p.data.reshape(-1), p.grad.reshape(-1), self.state[i])
+
+    def state_bytes(self) -> int:
+        return sum(a.nbytes for s in self.state if s for a in s.values() if hasattr(a, "nbytes"))
+
+
+class AdamW(Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        super().__init__(params)
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.update_rule = adamw_update  # `train --fused` swaps in minipar.fusion.adamw_update
+
+    def init_state(self, n, dtype, xp):
+        return {"exp_avg": xp.zeros(n, dtype=dtype), "exp_avg_sq": xp.zeros(n, dtype=dtype), "step": 0}
+
+    def update(self, param, grad, state):
+        """One step for one flat buffer (a whole parameter, or a ZeRO shard) and its state."""
+        state["step"] += 1
+        self.update_rule(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], self.lr,
+                     self.betas[0], self.betas[1], self.eps, self.weight_decay)
+
+
+class SGD(Optimizer):
+    def __init__(self, params, lr=1e-2, momentum=0.0, weight_decay=0.0):
+        super().__init__(params)
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+
+    def init_state(self, n, dtype, xp):
+        return {"momentum_buffer": xp.zeros(n, dtype=dtype)} if self.momentum else {}
+
+    def update(self, param, grad, state):
+        sgd_update(param, grad, state.get("momentum_buffer"), self.lr, self.momentum, self.weight_decay)

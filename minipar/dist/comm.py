@@ -1,0 +1,321 @@
+"""Comm: the collectives every technique is built from, with a ledger of the bytes each rank sends.
+
+The idea: a thin wrapper over an mpi4py communicator that calls MPI's own fast collectives
+(Allreduce, Reduce_scatter, Allgather, Bcast, Send/Recv) on contiguous buffers, and charges
+each call to a ``TrafficLedger`` by the bandwidth-optimal ring cost per rank (S = payload bytes):
+
+    all_reduce      2(N-1)/N * S      (a reduce-scatter followed by an all-gather)
+    reduce_scatter   (N-1)/N * S      (S = the full input)
+    all_gather       (N-1)/N * S      (S = the full output)
+    broadcast              S          (a pipelined broadcast: each rank forwards the payload once)
+    send                   S          (charged to the sender; recv is free)
+
+What it saves: nothing by itself; it makes the cost of every technique visible and testable.
+What it costs: nothing extra on the wire. Lesson: lessons/02_collectives.md.
+
+The charge is exact integer bytes, not a rounded fraction: a rank is charged what it really sends
+in the ring algorithm of ``minipar.dist.collectives`` (which counts its own bytes and must agree). The
+data is cut into N shards by ``shard_bounds``; in a reduce-scatter rank r forwards every shard but
+its own, in an all-gather every shard but that of its successor r+1 (the last one to arrive, which it
+need not pass on). When N divides S these are exactly (N-1)/N * S; otherwise they differ from it by
+less than one element, and the charges of all ranks still add up to exactly (N-1) * S.
+Messages are counted the same way: N-1 per reduce-scatter or all-gather, 2(N-1) per all-reduce.
+
+Control helpers (``allreduce_obj``, ``bcast_obj``, ``gather_obj``, ``allgather_obj``) move a few
+pickled bytes to take decisions (loss values, sizes, flags); they are not charged, so the ledger
+shows exactly the payload traffic that the cost model of each technique predicts.
+
+Buffers come from the backend (backend.py): host copies of device arrays, staged after a stream
+synchronisation, or the device arrays themselves when MPI is CUDA-aware (lessons/11_gpu.md).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections import Counter
+
+from mpi4py import MPI
+
+from minipar.core import backend
+
+REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of shard `index` when n elements are cut into `parts` shards.
+
+    Like numpy.array_split: the first n % parts shards get one element more.
+    """
+    if parts < 1 or not 0 <= index < parts or n < 0:
+        raise ValueError(f"no shard {index} of {parts} for {n} elements")
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def shard_sizes(n: int, parts: int) -> list[int]:
+    """Number of elements in each of the `parts` shards of n elements (see shard_bounds)."""
+    return [stop - start for start, stop in (shard_bounds(n, parts, i) for i in range(parts))]
+
+
+def ring_bytes_sent(op: str, shard_nbytes: list[int], rank: int) -> int:
+    """Bytes `rank` sends in the ring algorithm for op, given the bytes of every rank's shard."""
+    n = len(shard_nbytes)
+    if n == 1:
+        return 0
+    total = sum(shard_nbytes)
+    own, successor = shard_nbytes[rank], shard_nbytes[(rank + 1) % n]
+    if op == "reduce_scatter":
+        return total - own
+    if op == "all_gather":
+        return total - successor
+    if op == "all_reduce":
+        return 2 * total - own - successor
+    raise ValueError(f"no ring cost for op {op!r}")
+
+
+def ring_messages(op: str, size: int) -> int:
+    """Messages one rank sends in the ring algorithm for op on `size` ranks."""
+    return (2 if op == "all_reduce" else 1) * (size - 1)
+
+
+class TrafficLedger:
+    """Bytes and messages sent by this rank, keyed by (communicator name, op)."""
+
+    def __init__(self):
+        self._total_bytes, self._total_messages = Counter(), Counter()
+        self._step_bytes, self._step_messages = Counter(), Counter()
+
+    def charge(self, dim: str, op: str, nbytes: int, messages: int = 1) -> None:
+        key = (dim, op)
+        for counter, amount in ((self._total_bytes, nbytes), (self._step_bytes, nbytes),
+                                (self._total_messages, messages), (self._step_messages, messages)):
+            counter[key] += int(amount)
+
+    def start_step(self) -> None:
+        """Begin a new step window; step_report() covers the traffic since."""
+        self._step_bytes, self._step_messages = Counter(), Counter()
+
+    def step_report(self) -> dict:
+        return _report(self._step_bytes, self._step_messages)
+
+    def total_report(self) -> dict:
+        return _report(self._total_bytes, self._total_messages)
+
+
+def _report(sent: Counter, messages: Counter) -> dict:
+    by_op, by_dim, by_dim_op = Counter(), Counter(), {}
+    for (dim, op), nbytes in sent.items():
+        by_op[op] += nbytes
+        by_dim[dim] += nbytes
+        by_dim_op.setdefault(dim, {})[op] = nbytes
+    return {"sent_bytes": sum(sent.values()), "messages": sum(messages.values()),
+            "by_op": dict(by_op), "by_dim": dict(by_dim), "by_dim_op": by_dim_op}
+
+
+def _send_buffer(x, copy: bool = False):
+    """x as a C-contiguous buffer MPI can read: staged to host memory unless MPI is CUDA-aware."""
+    return backend.current().send_buffer(x, copy)
+
+
+def _receive_buffer(shape, dtype):
+    return backend.current().receive_buffer(shape, dtype)
+
+
+def _device(a):
+    return backend.current().from_host(a)
+
+
+def node_local_rank(mpi_comm) -> int:
+    """This rank's index among the ranks that share its node (MPI's shared-memory split): the GPU
+    it uses, one rank per GPU. Collective over mpi_comm."""
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    rank = node.Get_rank()
+    node.Free()
+    return rank
+
+
+class Comm:
+    """An MPI communicator with a name ("world", "dp", "tp", "pp", ...) and a traffic ledger."""
+
+    def __init__(self, mpi_comm, name: str = "world", ledger: TrafficLedger | None = None):
+        self.mpi = mpi_comm
+        self.name = name
+        self.ledger = ledger if ledger is not None else TrafficLedger()
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+
+    def __repr__(self) -> str:
+        return f"Comm({self.name!r}, rank {self.rank} of {self.size})"
+
+    def _charge_ring(self, op: str, shard_elements: list[int], itemsize: int) -> None:
+        shard_nbytes = [count * itemsize for count in shard_elements]
+        self.ledger.charge(self.name, op, ring_bytes_sent(op, shard_nbytes, self.rank),
+                           ring_messages(op, self.size))
+
+    def all_reduce(self, x, op: str = "sum"):
+        """A new array of x's shape: the elementwise op ("sum", "max", "min") over all ranks."""
+        send = _send_buffer(x)
+        received = _receive_buffer(send.shape, send.dtype)
+        self.mpi.Allreduce(send, received, op=REDUCE_OPS[op])
+        self._charge_ring("all_reduce", shard_sizes(send.size, self.size), send.itemsize)
+        return _device(received)
+
+    def reduce_scatter(self, x, op: str = "sum"):
+        """This rank's shard (shard_bounds of the flattened x) of the elementwise op over all ranks."""
+        send = _send_buffer(x).reshape(-1)
+        counts = shard_sizes(send.size, self.size)
+        received = _receive_buffer(counts[self.rank], send.dtype)
+        self.mpi.Reduce_scatter(send, received, recvcounts=counts, op=REDUCE_OPS[op])
+        self._charge_ring("reduce_scatter", counts, send.itemsize)
+        return _device(received)
+
+    def all_gather(self, shard, numel: int | None = None):
+        """Flat concatenation of every rank's flattened shard, in rank order; shards may differ in size.
+
+        Pass numel (the total) when the shards follow shard_bounds(numel, size, rank): it saves the
+        small exchange of shard sizes that uneven shards otherwise need.
+        """
+        flat = shard.reshape(-1)
+        counts = self.allgather_obj(flat.size) if numel is None else shard_sizes(numel, self.size)
+        if counts[self.rank] != flat.size:
+            raise ValueError(f"rank {self.rank} holds {flat.size} elements, but shard_bounds({numel}, "
+                             f"{self.size}, {self.rank}) says {counts[self.rank]}")
+        # Uneven shards are padded to the largest and sent with Allgather, not Allgatherv: MPICH's
+        # Allgatherv ran 50x slower (420 ms vs 8 ms for 8 MB on 4 ranks sharing 2 cores).
+        widest = max(counts)
+        xp = backend.xp_of(flat)
+        if flat.size != widest:  # padded where the shard lives, before MPI gets the buffer
+            flat = xp.concatenate([flat, xp.zeros(widest - flat.size, flat.dtype)])
+        send = _send_buffer(flat)
+        received = _receive_buffer((self.size, widest), send.dtype)
+        self.mpi.Allgather(send, received)
+        self._charge_ring("all_gather", counts, send.itemsize)
+        if all(count == widest for count in counts):
+            return _device(received.reshape(-1))
+        xp = backend.xp_of(received)
+        return _device(xp.concatenate([row[:count] for row, count in zip(received, counts)]))
+
+    def broadcast(self, x, root: int = 0):
+        """A new array with root's x; every rank passes an x of the same shape and dtype."""
+        buffer = _send_buffer(x, copy=True)  # a new buffer: the other ranks receive into it
+        self.mpi.Bcast(buffer, root=root)
+        forwarded = self.size > 1
+        self.ledger.charge(self.name, "broadcast", buffer.nbytes if forwarded else 0, int(forwarded))
+        return _device(buffer)
+
+    def send(self, x, dest: int, tag: int = 0) -> None:
+        """Blocking send of x to rank dest of this communicator."""
+        buffer = _send_buffer(x)
+        self.mpi.Send(buffer, dest=dest, tag=tag)
+        self.ledger.charge(self.name, "send", buffer.nbytes)
+
+    def isend(self, x, dest: int, tag: int = 0):
+        """Non-blocking send of x to rank dest, charged like send; returns the MPI request to Wait() on.
+
+        A pipeline needs it: two neighbours that both block in a large Send would wait for each other."""
+        buffer = _send_buffer(x)
+        request = self.mpi.Isend(buffer, dest=dest, tag=tag)  # the request keeps the buffer alive
+        self.ledger.charge(self.name, "send", buffer.nbytes)
+        return request
+
+    def recv(self, shape, dtype, source: int, tag: int = 0):
+        """Blocking receive of an array of the given shape and dtype from rank source."""
+        buffer = _receive_buffer(shape, dtype)
+        self.mpi.Recv(buffer, source=source, tag=tag)
+        return _device(buffer)
+
+    def barrier(self) -> None:
+        self.mpi.Barrier()
+
+    def split(self, color: int, key: int, name: str) -> Comm:
+        """Sub-communicator of the ranks with the same color, ordered by key, sharing this ledger."""
+        return Comm(self.mpi.Split(color, key), name=name, ledger=self.ledger)
+
+    # Uncharged control messages: small Python objects, pickled.
+    def allreduce_obj(self, obj, op: str = "sum"):
+        return self.mpi.allreduce(obj, op=REDUCE_OPS[op])
+
+    def bcast_obj(self, obj, root: int = 0):
+        return self.mpi.bcast(obj, root=root)
+
+    def gather_obj(self, obj, root: int = 0):
+        """List of every rank's obj on root, None elsewhere."""
+        return self.mpi.gather(obj, root=root)
+
+    def allgather_obj(self, obj) -> list:
+        return self.mpi.allgather(obj)
+
+
+class ProcessGrid:
+    """World ranks laid out on a (dp, pp, tp) grid, tp fastest-varying, then pp, then dp.
+
+    rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank, so tensor-parallel partners (the chattiest)
+    are neighbours. Sub-communicators dp, pp, tp join the ranks that differ in that coordinate only.
+    """
+
+    def __init__(self, world: Comm, dp: int, pp: int, tp: int):
+        for dim, extent in (("dp", dp), ("pp", pp), ("tp", tp)):
+            if not isinstance(extent, int) or extent < 1:
+                raise ValueError(f"{dim} must be a positive integer, got {extent!r}")
+        if dp * pp * tp != world.size:
+            raise ValueError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} does not equal "
+                             f"the world size {world.size}")
+        self.world = world
+        self.dp_size, self.pp_size, self.tp_size = dp, pp, tp
+        self.dp_rank, self.pp_rank, self.tp_rank = self.coords_of(world.rank)
+        self.dp = world.split(color=self.pp_rank * tp + self.tp_rank, key=self.dp_rank, name="dp")
+        self.pp = world.split(color=self.dp_rank * tp + self.tp_rank, key=self.pp_rank, name="pp")
+        self.tp = world.split(color=self.dp_rank * pp + self.pp_rank, key=self.tp_rank, name="tp")
+
+    def coords_of(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of a world rank."""
+        dp_rank, rest = divmod(rank, self.pp_size * self.tp_size)
+        pp_rank, tp_rank = divmod(rest, self.tp_size)
+        return dp_rank, pp_rank, tp_rank
+
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        """World rank at a grid coordinate."""
+        return (dp_rank * self.pp_size + pp_rank) * self.tp_size + tp_rank
+
+    def describe(self) -> str:
+        """The grid as text: for each dp replica, a pp-by-tp table of world ranks."""
+        width = max(len(str(self.world.size - 1)), len(f"tp={self.tp_size - 1}")) + 2
+        lines = [f"ProcessGrid dp={self.dp_size} pp={self.pp_size} tp={self.tp_size} "
+                 f"({self.world.size} ranks; tp varies fastest, then pp, then dp)",
+                 "world rank at each (dp, pp, tp):"]
+        for dp_rank in range(self.dp_size):
+            header = "".join(f"tp={t}".rjust(width) for t in range(self.tp_size))
+            lines.append(f"  dp={dp_rank}".ljust(10) + header)
+            for pp_rank in range(self.pp_size):
+                row = "".join(str(self.rank_of(dp_rank, pp_rank, t)).rjust(width)
+                              for t in range(self.tp_size))
+                lines.append(f"    pp={pp_rank}".ljust(10) + row)
+        return "\n".join(lines)
+
+
+def install_excepthook() -> None:
+    """Make an uncaught exception on any rank print its traceback (prefixed by the rank) and
+    abort the whole job, instead of leaving the other ranks waiting forever in a collective."""
+
+    def abort_job(kind, value, tb):
+        rank = MPI.COMM_WORLD.Get_rank()
+        text = "".join(traceback.format_exception(kind, value, tb))
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+        sys.stderr.flush()
+        # mpiexec forwards our stderr through a pipe, and once told to abort it may tear the job
+        # down before reading what is still in it: about 1 traceback in 30 was lost without a pause.
+        time.sleep(0.2)
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort_job
+
+
+def wait_for_everyone(mpi_comm, nap_s: float = 0.001) -> None:
+    """A barrier that naps instead of spinning: with more ranks than cores (8 ranks on a laptop), a
+    rank busy-waiting in MPI would take the processor from the ranks that still have work to do."""
+    arrived = mpi_comm.Ibarrier()
+    while not arrived.Test():
+        time.sleep(nap_s)

@@ -1,0 +1,289 @@
+"""ZeRO-3 over Gemini chunks, with each chunk's shard of the model states offloaded to CPU or disk.
+
+The idea: zero3.py gathers one flat buffer per unit of the model. Here the buffers are fixed-size
+chunks (memory/chunks.py), packed with the parameters in execution order. A chunk is all-gathered
+once before the first of its tensors is used and released after its last unit's forward; backward
+gathers it again, writes each unit's gradients into it in place of the parameters as the unit's
+backward ends, and reduce-scatters it as one message once every tensor in it is READY_FOR_REDUCE.
+What a rank keeps of a chunk between uses, its shard of the parameters, of the gradients and of each
+optimizer state, are blocks of a TieredStore (memory/offload.py): on the device while the budget
+`--device-mem-mb` allows, else in CPU memory or on disk (`--offload`), each fetched when used: a
+gather fetches the parameters, a reduce-scatter the gradients, the optimizer step all of them.
+
+What it saves: device memory: only the gathered chunks of one unit, a chunk's blocks and the
+activations must fit. Gathered buffers all have the one chunk size, and messages are sized by
+`--chunk-mb`, not by the model's modules. What it costs: zero3's 3(N-1)/N of the model's bytes per
+step plus the chunks' padding, and, with offload, the blocks' traffic between tiers.
+Lesson: lessons/08_memory.md.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from minipar.core import autograd
+from minipar.core.backend import current as current_backend
+from minipar.core.nn import shard_of
+from minipar.memory.chunks import TensorState, pack_in_chunks, search_chunk_size
+from minipar.memory.ledger import buffer_meter, tier_meter
+from minipar.memory.offload import MiB, TieredStore
+from minipar.parallel.ddp import check_replicas_identical
+from minipar.parallel.logical_state import flat_pieces
+from minipar.parallel.zero import BackwardHook, after_backward_of, units_of
+
+S = TensorState
+
+
+class ChunkedZero3:
+    """Updater and model wrapper: ZeRO-3 whose unit of communication and of offload is the chunk."""
+
+    def __init__(self, model, optimizer, comm, chunk_numel: int, budget_bytes: float | None = None,
+                 offload: str = "none", eviction: str = "opt"):
+        check_replicas_identical(model, comm)
+        self.model, self.optimizer, self.comm = model, optimizer, comm
+        self.units = units_of(model, comm)
+        self.chunks = pack_in_chunks([(name, p, i) for i, unit in enumerate(self.units)
+                                      for name, p in zip(unit.names, unit.params)], chunk_numel)
+        self.shard = chunk_numel // comm.size
+        self.start = comm.rank * self.shard
+        self.xp = self.units[0].xp
+        self.freed = self.xp.empty(0, dtype=self.chunks[0].dtype)
+        self.scalars, blocks = [], {}
+        for chunk in self.chunks:  # this rank's shard of the chunk: one block per kind of model state
+            state = optimizer.init_state(self.shard, chunk.dtype, self.xp)
+            self.state_names = [k for k, v in state.items() if hasattr(v, "shape")]
+            self.scalars.append({k: v for k, v in state.items() if k not in self.state_names})
+            full = chunk.flatten([t.param.data for t in chunk.tensors])
+            blocks[chunk.index, "param"] = (full[self.start : self.start + self.shard].copy(), "params")
+            blocks[chunk.index, "grad"] = (self.xp.zeros(self.shard, dtype=chunk.dtype), "grads")
+            for name in self.state_names:
+                blocks[chunk.index, name] = (state[name], "optimizer")
+        lower = None if offload == "none" else offload
+        self.store = TieredStore(blocks, budget_bytes, lower, eviction,
+                                 others=lambda: autograd.activation_meter.current + buffer_meter.current,
+                                 report=tier_meter.set)
+        for chunk in self.chunks:
+            for tensor in chunk.tensors:
+                tensor.param.data = self.freed
+        for i, unit in enumerate(self.units):
+            self.hook_unit(i, unit)
+        relieve_when_activations_grow(self.store)
+
+    # ---- the chunks of a unit ----
+    def chunks_of(self, unit: int) -> list:
+        return [c for c in self.chunks if unit in c.units]
+
+    def tensors_of(self, unit: int):
+        return [(chunk, t) for chunk in self.chunks_of(unit) for t in chunk.tensors_of(unit)]
+
+    def hook_unit(self, i: int, unit):
+        after_backward_of(unit.module, lambda: self.end_backward(i))  # on the unit's input
+        forward = unit.module.forward
+
+        def forward_in_chunks(*args, **kwargs):
+            if i == 0:
+                self.finish_backward()  # the previous micro-batch's first unit: no input hook caught it
+            self.start_unit(i)
+            output = forward(*args, **kwargs)
+            self.end_forward(i)
+            return BackwardHook.apply(output, lambda: self.start_unit(i))  # backward needs them back
+
+        unit.module.forward = forward_in_chunks
+
+    def start_unit(self, i: int):
+        """Gather the unit's chunks (those not gathered yet) and mark its tensors COMPUTE."""
+        for chunk in self.chunks_of(i):
+            self.gather(chunk)
+        for chunk, tensor in self.tensors_of(i):
+            chunk.transition(tensor, S.COMPUTE)
+
+    def end_forward(self, i: int):
+        """Its tensors are HOLD again; a chunk whose last unit this is goes until backward."""
+        for chunk, tensor in self.tensors_of(i):
+            chunk.transition(tensor, S.HOLD)
+        for chunk in self.chunks_of(i):
+            if chunk.units[-1] == i and chunk.all_in(S.HOLD):
+                self.release(chunk)
+
+    def end_backward(self, i: int):
+        """The unit's gradients are complete: write them into their chunks, reduce the chunks now full."""
+        pairs = self.tensors_of(i)
+        nbytes = sum(t.param.grad.nbytes for _, t in pairs if t.param.grad is not None)
+        self.store.make_room(nbytes)
+        buffer_meter.add(nbytes)  # the unit's full gradients, until copied into the chunks
+        for chunk, tensor in pairs:
+            chunk.transition(tensor, S.HOLD_AFTER_BWD)
+            if tensor.param.grad is not None:
+                chunk.view(chunk.payload, tensor)[...] = tensor.param.grad
+            else:  # no gradient reached it: zero, as the single-process step sees it
+                chunk.view(chunk.payload, tensor)[...] = 0
+            tensor.param.grad = None
+            chunk.transition(tensor, S.READY_FOR_REDUCE)
+        buffer_meter.release(nbytes)
+        for chunk in self.chunks_of(i):
+            if chunk.all_in(S.READY_FOR_REDUCE):
+                self.reduce(chunk)
+
+    def finish_backward(self):
+        """Units still COMPUTE after a backward (the first: its input carries no gradient) end it now."""
+        for i in range(len(self.units)):
+            if any(t.state is S.COMPUTE for _, t in self.tensors_of(i)):
+                self.end_backward(i)
+
+    # ---- one message per chunk ----
+    def gather(self, chunk):
+        if chunk.payload is not None:
+            return
+        with self.store.use((chunk.index, "param")) as (param_shard,):
+            self.store.make_room(chunk.nbytes)
+            chunk.payload = self.comm.all_gather(param_shard, numel=chunk.numel)
+            buffer_meter.add(chunk.nbytes)  # before the store may prefetch into the room made for it
+        for tensor in chunk.tensors:
+            chunk.transition(tensor, S.HOLD)
+            tensor.param.data = chunk.view(chunk.payload, tensor)
+
+    def reduce(self, chunk):
+        """Sum the chunk's gradients over the ranks; add this rank's shard to its block."""
+        grad_shard = self.comm.reduce_scatter(chunk.payload)
+        self.release(chunk)
+        with self.store.use((chunk.index, "grad")) as (grad,):
+            grad += grad_shard
+
+    def release(self, chunk):
+        for tensor in chunk.tensors:
+            chunk.transition(tensor, S.FREE)
+            tensor.param.data = self.freed
+        buffer_meter.release(chunk.nbytes)
+        chunk.payload = None
+
+    # ---- updater protocol ----
+    def step(self):
+        """Each rank updates its shard of every chunk where the chunk's block is brought to."""
+        self.finish_backward()
+        for i, scalars in enumerate(self.scalars):
+            keys = [(i, "param"), (i, "grad")] + [(i, name) for name in self.state_names]
+            with self.store.use(*keys) as (param, grad, *arrays):
+                state = {**scalars, **dict(zip(self.state_names, arrays))}
+                with autograd.no_grad():
+                    self.optimizer.update(param, grad, state)
+                self.scalars[i] = {k: v for k, v in state.items() if k not in self.state_names}
+                grad[...] = 0
+        self.store.end_step()
+
+    def memory(self) -> dict:
+        """{category: {tier: bytes}} of the blocks after the step (gathered chunks are buffers, live)."""
+        return self.store.placement()
+
+    @property
+    def tier_traffic(self) -> dict | None:
+        """The last step's bytes moved between tiers (the train log's "offload")."""
+        return self.store.last_step
+
+    def checkpoint_pieces(self) -> dict:
+        """{name: {kind: (Piece, array)}}: this rank's shard of each chunk's parameters and their states."""
+        pieces = {}
+        for chunk, scalars in zip(self.chunks, self.scalars):
+            shards = {kind: self.store.read((chunk.index, kind)) for kind in ["param", *self.state_names]}
+            tensors = [(t.name, t.param, t.shape, t.offset) for t in chunk.tensors]
+            pieces.update(flat_pieces(tensors, self.start, self.start + self.shard, {**shards, **scalars}))
+        return pieces
+
+    def load_logical(self, state) -> None:
+        """Cut this rank's shard of every chunk from a checkpoint's logical tensors (checkpoint.py)."""
+        for chunk, scalars in zip(self.chunks, self.scalars):
+            for kind in ["param", *self.state_names]:
+                full = chunk.flatten([shard_of(state[t.name][kind], t.param.shard) for t in chunk.tensors])
+                self.store.write((chunk.index, kind), full[self.start : self.start + self.shard])
+            scalars.update({k: int(state[chunk.tensors[0].name][k]) for k in scalars})
+
+    def local_state(self) -> dict:
+        """{name: (None, full array)} for Trainer.full_state: a collective, every chunk all-gathered once."""
+        to_host = current_backend().to_host
+        state = {}
+        for chunk in self.chunks:
+            full = self.comm.all_gather(self.store.read((chunk.index, "param")), numel=chunk.numel)
+            for tensor in chunk.tensors:
+                state[tensor.name] = (tensor.param.shard, to_host(chunk.view(full, tensor)).copy())
+        return state
+
+
+def relieve_when_activations_grow(store):
+    """Activations share the device budget: as they grow during a step, the store evicts blocks first
+    (the memory ledger listens to the same meter, after it, so it never sees the budget exceeded).
+    The listener holds the store weakly: it does nothing once the engine is gone."""
+    previous, store = autograd.activation_meter.on_change, weakref.ref(store)
+
+    def relieve_then_record(nbytes):
+        if store() is not None:
+            store().relieve()
+        if previous:
+            previous(nbytes)
+
+    autograd.activation_meter.on_change = relieve_then_record
+
+
+# ---- sizes and up-front checks ----
+
+def tensor_sizes(model) -> list[int]:
+    return [p.size for _, unit in model.units() for p in unit.parameters()]
+
+
+def chunk_numel_for(cfg, model, parts: int) -> int:
+    """--chunk-mb rounded up to a multiple of the ranks, or the size with the least padding."""
+    if cfg.chunk_mb is not None:
+        itemsize = model.parameters()[0].data.itemsize
+        return -(-int(cfg.chunk_mb * MiB / itemsize) // parts) * parts
+    return search_chunk_size(tensor_sizes(model), parts)[0]
+
+
+def device_bytes_needed(model, chunk_numel: int, parts: int, rows: int, offload: str) -> int:
+    """The least device memory the engine needs, activations aside: the chunks one unit spans, all
+    gathered, with one block or the unit's gradients (while they are copied in); or, for the step,
+    the `rows` blocks (parameters, gradients, optimizer states) of one chunk; without offload, every
+    block of every chunk besides."""
+    units = [unit.parameters() for _, unit in model.units()]
+    chunks = pack_in_chunks([(f"{u}.{j}", p, u) for u, params in enumerate(units)
+                             for j, p in enumerate(params)], chunk_numel)
+    spanned = max(sum(1 for c in chunks if u in c.units) for u in range(len(units)))
+    largest_unit = max(sum(p.size for p in params) for params in units)
+    shard = chunk_numel // parts
+    if offload == "none":
+        return (len(chunks) * rows * shard + spanned * chunk_numel + largest_unit) * chunks[0].dtype.itemsize
+    return max(spanned * chunk_numel + max(shard, largest_unit), rows * shard) * chunks[0].dtype.itemsize
+
+
+def config_errors(cfg) -> list[str]:
+    """Checks for --offload / --chunk-mb / --device-mem-mb on the model's real sizes (config.validate;
+    cfg has its dp resolved)."""
+    from minipar.trainer.build import build_model, build_optimizer  # lazily: hybrid builds this engine
+
+    errors = [f"--offload {cfg.offload} needs --device-mem-mb: the device budget that pushes blocks out"
+              ] if cfg.offload != "none" and cfg.device_mem_mb is None else []
+    errors += [f"--{name.replace('_', '-')} must be positive, got {value}"
+               for name, value in (("chunk_mb", cfg.chunk_mb), ("device_mem_mb", cfg.device_mem_mb))
+               if value is not None and value <= 0]
+    if cfg.zero not in (0, 3) or cfg.tp > 1 or cfg.pp > 1 or cfg.precision not in ("fp64", "fp32"):
+        errors.append("--offload, --chunk-mb and --device-mem-mb run chunked ZeRO-3 over data parallelism: "
+                      "they need --zero 3 (or 0), --tp 1, --pp 1 and --precision fp64 or fp32")
+    if errors:
+        return errors
+    model = build_model(cfg.replace(zero=0, offload="none", chunk_mb=None, device_mem_mb=None), None)
+    chunk_numel, largest = chunk_numel_for(cfg, model, cfg.dp), max(tensor_sizes(model))
+    if chunk_numel < largest:
+        return [f"--chunk-mb {cfg.chunk_mb} holds {chunk_numel} elements, fewer than the largest parameter's "
+                f"{largest}: a tensor never straddles two chunks"]
+    state = build_optimizer(cfg, []).init_state(1, "float64", current_backend().xp)
+    rows = 2 + sum(hasattr(v, "shape") for v in state.values())
+    needed = device_bytes_needed(model, chunk_numel, cfg.dp, rows, cfg.offload)
+    if cfg.device_mem_mb is not None and cfg.device_mem_mb * MiB < needed:
+        return [f"--device-mem-mb {cfg.device_mem_mb} is too small: chunked ZeRO-3 with --offload "
+                f"{cfg.offload} needs {needed / MiB:.4f} MiB on the device before activations "
+                f"(chunks of {chunk_numel} elements)"]
+    return []
+
+
+def build_chunked_zero3(cfg, grid, model, optimizer) -> ChunkedZero3:
+    """hybrid.py's branch: the engine for --offload / --chunk-mb / --device-mem-mb."""
+    budget = None if cfg.device_mem_mb is None else cfg.device_mem_mb * MiB
+    return ChunkedZero3(model, optimizer, grid.dp, chunk_numel_for(cfg, model, grid.dp.size), budget,
+                        cfg.offload, cfg.eviction)

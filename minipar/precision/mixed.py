@@ -1,0 +1,138 @@
+"""Mixed-precision training: fp32 master weights, bf16 or fp16 arithmetic, and loss scaling for fp16.
+
+The idea (Micikevicius et al., "Mixed Precision Training", 2018), as three wrappers around an engine:
+- `MixedPrecisionRunner` keeps the fp32 weights as the *master* copy. For forward and backward it
+  hands the model a 16-bit working copy (every weight rounded), and rounds every op's output and every
+  gradient flowing back (`autograd.cast_outputs`). Gradients still accumulate into fp32 `.grad` arrays,
+  so the many small micro-batch contributions are not rounded away; the optimizer updates the fp32
+  master. The scalar loss stays fp32, as under PyTorch's autocast (cross-entropy runs in fp32).
+- `LossScalingOptimizer` (fp16 only) is PyTorch's `scaler.step(optimizer)`: the runner multiplied the
+  loss by the scale, so every gradient is `scale` times larger and small ones survive fp16; after the
+  gradient sync the gradients are divided by it, every rank learns whether any rank saw an inf or
+  NaN, and on overflow the step is skipped and the scale halved (`precision.DynamicLossScaler`).
+- `gradient_all_reduce` lets DDP send gradients in the 16-bit format over a ring (summing in fp32).
+
+What it saves: half the bytes of every value computed in 16 bits (activations, the working weights,
+the gradient all-reduce) and, on hardware, 16-bit matrix units. Here NumPy holds the 16-bit values in
+float32 arrays, so only the wire bytes really halve; the memory ledger shows the emulation's bytes.
+What it costs: precision (results differ from fp32 at the 16-bit rounding level), a 16-bit copy of
+the weights, and for fp16 the steps the scaler skips. Lesson: lessons/09_precision.md.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from minipar.core import autograd
+from minipar.dist.collectives import Wire, ring_all_reduce
+from minipar.memory.ledger import buffer_meter
+from minipar.precision.formats import DynamicLossScaler, Precision, pack_low, unpack_low
+
+LOW_PRECISIONS = ("bf16", "fp16")
+
+
+def rounding_every_op(round_to):
+    """The cast for `autograd.cast_outputs`: round float arrays to the 16-bit format, but keep 0-d
+    results (the loss and its scaling) in fp32 and leave integer arrays alone."""
+
+    def cast(array):
+        if array.ndim == 0 or array.dtype.kind != "f":
+            return array
+        return round_to(array)
+
+    return cast
+
+
+class MixedPrecisionRunner:
+    """Runs the inner runner on 16-bit working weights and activations; gradients land in fp32.
+
+    With a `LossScalingOptimizer`, the loss is multiplied by its current scale: the runners divide
+    the summed loss by `normaliser`, so passing `normaliser / scale` scales it without touching them.
+    """
+
+    def __init__(self, runner, params, round_to, loss_scaling: LossScalingOptimizer | None = None):
+        self.runner, self.params, self.round_to = runner, list(params), round_to
+        self.loss_scaling = loss_scaling
+        self.cast = rounding_every_op(round_to)
+
+    def forward_backward(self, inputs, targets, normaliser) -> float:
+        scale = self.loss_scaling.scaler.get_scale() if self.loss_scaling else 1.0
+        masters = [p.data for p in self.params]
+        working = [self.round_to(m).astype(m.dtype, copy=False) for m in masters]
+        buffer_meter.add(sum(w.nbytes for w in working))  # the working copy lives for forward+backward
+        for p, w in zip(self.params, working):
+            p.data = w
+        try:  # an overflow to inf is expected in fp16: the loss scaler deals with it, so no warnings
+            with autograd.cast_outputs(self.cast), np.errstate(over="ignore", invalid="ignore"):
+                loss = self.runner.forward_backward(inputs, targets, normaliser / scale)
+        finally:
+            for p, m in zip(self.params, masters):
+                p.data = m
+            buffer_meter.release(sum(w.nbytes for w in working))
+        return loss / scale
+
+    def log_record(self) -> dict | None:
+        """The loss scale of the last step and whether it was skipped (fp16), for the train log."""
+        if self.loss_scaling is None:
+            return None
+        return {"loss_scale": self.loss_scaling.last_scale, "skipped": self.loss_scaling.skipped}
+
+
+class LossScalingOptimizer:
+    """Wraps an optimizer: unscale the (already synchronised) gradients, share one overflow verdict
+    across all ranks, and step only when it is clean; then let the scaler back off or grow."""
+
+    def __init__(self, optimizer, scaler: DynamicLossScaler):
+        self.optimizer, self.scaler = optimizer, scaler
+        self.last_scale, self.skipped, self.skipped_steps = scaler.get_scale(), False, 0
+
+    def __getattr__(self, name):  # everything else (params, state, lr, state_bytes) is the optimizer's
+        return getattr(self.optimizer, name)
+
+    def step(self):
+        grads = [p.grad for p in self.optimizer.params if p.grad is not None]
+        self.last_scale = self.scaler.get_scale()
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.skipped = self.scaler.unscale_(grads)  # a collective: every rank steps or none does
+        self.scaler.update(self.skipped)
+        self.skipped_steps += self.skipped
+        if not self.skipped:
+            self.optimizer.step()
+
+
+def low_precision_wire(fmt: str) -> Wire:
+    """Ring chunks travel as 2-byte patterns of `fmt`; each hop adds in fp32, then rounds again."""
+    return Wire(encode=partial(pack_low, fmt=fmt), decode=partial(unpack_low, fmt=fmt))
+
+
+def gradient_all_reduce(precision: str, comm):
+    """DDP's gradient sum for this precision: a ring on the 16-bit wire, or None (Comm's own)."""
+    if precision not in LOW_PRECISIONS:
+        return None
+    wire = low_precision_wire(precision)
+
+    def all_reduce(flat):
+        with np.errstate(invalid="ignore"):  # overflowed fp16 gradients (inf - inf): the scaler skips them
+            return ring_all_reduce(comm, flat, wire)
+
+    return all_reduce
+
+
+def wrap_engine(cfg, model, runner, updater, world, scaler: DynamicLossScaler | None = None):
+    """(runner, updater) for `cfg.precision`: unchanged for fp64/fp32, mixed precision for bf16/fp16.
+
+    fp16 gets a dynamic loss scaler (unless `cfg.loss_scaling` is off): `scaler` if given, else one
+    with PyTorch's defaults whose overflow verdict is shared over `world`. The updater's optimizer is
+    wrapped in place, so whatever syncs the gradients before it steps (DDP) syncs the scaled ones,
+    as PyTorch's DDP does.
+    """
+    fmt = Precision.from_name(cfg.precision)
+    if fmt.round is None:
+        return runner, updater
+    loss_scaling = None
+    if fmt.loss_scaling and cfg.loss_scaling:
+        scaler = scaler or DynamicLossScaler(all_reduce_max=lambda flag: world.allreduce_obj(flag, op="max"))
+        loss_scaling = updater.optimizer = LossScalingOptimizer(updater.optimizer, scaler)
+    return MixedPrecisionRunner(runner, model.parameters(), fmt.round, loss_scaling), updater

@@ -1,0 +1,178 @@
+"""The training loop: TrainConfig -> engine for this rank's layout -> steps -> JSON-lines log.
+
+Every rank runs this same loop on the same global batch (a pure function of seed and step); the
+engine decides what share of the work this rank does. Rank 0 writes one JSON object per step (loss,
+tokens/s, its own memory and communication for that step) and prints progress and a summary.
+Lesson: lessons/00_overview.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from minipar.checkpoint import sharded as checkpoint
+from minipar.core import backend
+from minipar.dist.comm import Comm, ProcessGrid, node_local_rank
+from minipar.memory.ledger import MemoryLedger
+from minipar.trainer import build as hybrid
+from minipar.trainer import report
+from minipar.trainer.config import TrainConfig
+from minipar.trainer.engine import assemble_full_state, local_state
+from minipar.trainer.tasks import AdditionTask, RegressionTask
+
+
+def make_task(cfg: TrainConfig):
+    if cfg.model == "gpt":
+        return AdditionTask(cfg.seq_len, cfg.seed)
+    mcfg = hybrid.model_config(cfg)
+    return RegressionTask(mcfg.d_in, mcfg.d_out, cfg.seed)
+
+
+def inject_fault(rank: int, step: int):
+    """Raise on the rank and at the step named by MINIPAR_FAULT=rank:R,step:S (tests that a job aborts)."""
+    spec = os.environ.get("MINIPAR_FAULT", "")
+    fault = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)  # checkpoint.py reads save:
+    if fault.get("rank") == str(rank) and fault.get("step") == str(step):
+        raise RuntimeError(f"injected fault on rank {rank} at step {step} (MINIPAR_FAULT={spec})")
+
+
+class Trainer:
+    """Owns the engine, the ledgers and the log for one rank."""
+
+    def __init__(self, cfg: TrainConfig, world):
+        # One rank per GPU: the device follows the rank's index on its node (a lone process keeps
+        # CUDA's current device).
+        local_rank = node_local_rank(world) if cfg.backend == "cupy" and world.Get_size() > 1 else None
+        backend.set_backend(cfg.backend, local_rank=local_rank)
+        self.cfg = cfg
+        self.world = Comm(world)
+        self.grid = ProcessGrid(self.world, cfg.dp, cfg.pp, cfg.tp)
+        self.memory = MemoryLedger()
+        self.engine = hybrid.build_engine(cfg, self.grid)
+        if self.is_rank0 and not cfg.quiet and self.world.size > 1:
+            print(self.grid.describe(), flush=True)
+        self.task = make_task(cfg)
+        # --resume: the state of step N from a checkpoint of any layout; the run continues at step N
+        self.start_step = checkpoint.load(cfg.resume, self) if cfg.resume else 0
+        self.records = []
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.world.rank == 0
+
+    def step(self, step: int) -> dict:
+        inject_fault(self.world.rank, step)
+        cfg, traffic = self.cfg, self.world.ledger
+        inputs, targets = self.task.global_batch(step, cfg.batch_size)
+        traffic.start_step()
+        self.memory.reset_peaks()
+        backend.current().sync()
+        started = time.perf_counter()
+        loss = self.engine.train_step(inputs, targets)
+        backend.current().sync()
+        elapsed = time.perf_counter() - started
+        for category, held in self.engine.updater.memory().items():
+            for tier, nbytes in (held.items() if isinstance(held, dict) else [("device", held)]):
+                self.memory.set(category, nbytes, tier)  # {tier: bytes} where model states are offloaded
+        record = {
+            "step": step,
+            "loss": float(loss),
+            "tokens_per_s": float((targets.size if cfg.model == "gpt" else len(targets)) / elapsed),
+            "time_s": elapsed,
+            "mem": self.memory.report(),
+            "comm": traffic.step_report(),
+        }
+        pipeline_timing = getattr(self.engine.runner, "last_timing", None)
+        if pipeline_timing:  # measured busy/idle time of the stages and the bubble (pipeline.py)
+            record["pipeline"] = pipeline_timing
+        tier_traffic = getattr(self.engine.updater, "tier_traffic", None)
+        if tier_traffic:  # bytes moved between device, cpu and disk this step (chunked_zero.py)
+            record["offload"] = tier_traffic
+        loss_scaling = getattr(self.engine.runner, "log_record", lambda: None)()
+        if loss_scaling:  # fp16: this step's loss scale and whether it was skipped (mixed_precision.py)
+            record["loss_scaling"] = loss_scaling
+        return record
+
+    def run(self) -> list[dict]:
+        log = open(self.cfg.log, "a" if self.cfg.resume else "w") if self.cfg.log and self.is_rank0 else None
+        try:
+            for step in range(self.start_step, self.cfg.steps):
+                record = self.step(step)
+                self.records.append(record)
+                if log:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                self.progress(record)
+        finally:
+            if log:
+                log.close()
+        if self.cfg.save:
+            checkpoint.save(self.cfg.save, self, self.cfg.steps)
+        return self.records
+
+    def progress(self, record: dict):
+        every, step = max(1, self.cfg.steps // 10), record["step"]
+        if self.is_rank0 and not self.cfg.quiet and (step % every == 0 or step == self.cfg.steps - 1):
+            print(f"step {record['step']:4d}  loss {record['loss']:.4f}  "
+                  f"{record['tokens_per_s']:9.0f} tokens/s  sent {record['comm']['sent_bytes']:>10d} B",
+                  flush=True)
+
+    def full_state(self) -> dict | None:
+        """Every logical parameter reassembled from the shards on all ranks (on rank 0; None elsewhere)."""
+        pieces = self.world.gather_obj(self.engine_local_state(), root=0)
+        return assemble_full_state(pieces) if self.is_rank0 else None
+
+    def engine_local_state(self) -> dict:
+        full_params = getattr(self.engine.updater, "local_state", None)
+        return full_params() if full_params else local_state(self.engine.model)
+
+
+def reference_run(cfg: TrainConfig):
+    """The single-process run of the same steps: losses and final weights, computed on this rank."""
+    from mpi4py import MPI
+
+    ref_cfg = cfg.replace(dp=1, tp=1, pp=1, zero=0, microbatches=1, offload="none", chunk_mb=None,
+                          device_mem_mb=None, log=None, save=None, resume=None, quiet=True,
+                          check_reference=False)
+    trainer = Trainer(ref_cfg, MPI.COMM_SELF)
+    records = trainer.run()
+    return [r["loss"] for r in records], dict(local_state(trainer.engine.model))
+
+
+def relative_deviation(value, reference) -> float:
+    """max |value - reference| / max |reference|: relative to the tensor's scale, so a weight that
+    happens to sit near zero is not judged by its own tiny magnitude."""
+    scale = float(np.max(np.abs(reference))) if reference.size else 0.0
+    largest_error = float(np.max(np.abs(value - reference), initial=0.0))
+    return largest_error / scale if scale else largest_error
+
+
+def compare_with_reference(cfg: TrainConfig, records: list[dict], full: dict) -> dict:
+    losses, ref_state = reference_run(cfg)
+    # a resumed run's records start at its checkpoint's step
+    loss_dev = max((abs(r["loss"] - losses[r["step"]]) / max(abs(losses[r["step"]]), 1e-30)
+                    for r in records), default=0.0)
+    weight_dev = max(relative_deviation(full[name], ref) for name, (_, ref) in ref_state.items())
+    return {"max_rel_loss_deviation": loss_dev, "max_rel_weight_deviation": weight_dev}
+
+
+def train(cfg: TrainConfig, world=None) -> list[dict]:
+    """Train under `world` (default COMM_WORLD) and return rank 0's records (other ranks: their own)."""
+    from mpi4py import MPI
+
+    world = world or MPI.COMM_WORLD
+    cfg = cfg.resolved(world.Get_size())
+    trainer = Trainer(cfg, world)
+    records = trainer.run()
+    full = trainer.full_state() if cfg.check_reference else None
+    rank_rows = trainer.world.gather_obj({"rank": trainer.world.rank, "coords": trainer.grid.coords_of(
+        trainer.world.rank), "mem": records[-1]["mem"] if records else {}})
+    # the other ranks are done: rank 0 alone runs the single-process reference
+    check = compare_with_reference(cfg, records, full) if trainer.is_rank0 and cfg.check_reference else None
+    if trainer.is_rank0 and not cfg.quiet and records:
+        print(report.summary(cfg, records, rank_rows, check), flush=True)
+    return records

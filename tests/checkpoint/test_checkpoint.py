@@ -1,0 +1,287 @@
+"""Checkpoints: pieces put back together exactly; resume equals an uninterrupted run, in any layout;
+bad checkpoints refused with one line; a save never destroys the previous checkpoint before it is done.
+
+    pytest -m "not mpi" tests/test_checkpoint.py                          # serial
+    mpiexec -n K python -m pytest -m mpi tests/test_checkpoint.py         # K = 2, 4, 8
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from mpi4py import MPI
+from mpi_harness import mpi_given
+
+from minipar.checkpoint.sharded import CheckpointError
+from minipar.core.nn import Shard
+from minipar.dist.comm import shard_bounds
+from minipar.parallel.logical_state import Piece, assemble
+from minipar.trainer import loop as train
+from minipar.trainer.config import TrainConfig, validate
+
+WORLD = MPI.COMM_WORLD
+TINY = TrainConfig(model="gpt", precision="fp64", n_layer=2, n_head=4, d_model=16, seq_len=8, batch_size=8,
+                   steps=4, lr=1e-2, quiet=True)
+
+
+# ---- pieces of logical tensors ----------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(1, 7), min_size=1, max_size=3), tp=st.integers(1, 4), dp=st.integers(1, 5),
+       axis_choice=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_pieces_of_any_layout_assemble_to_the_full_tensor(shape, tp, dp, axis_choice, seed):
+    """Cut a tensor like tensor parallelism (padded, uneven) then ZeRO (flat, equal slices that
+    straddle rows), shuffle the pieces, put them back together: the very same tensor."""
+    full = np.random.default_rng(seed).standard_normal(shape)
+    axis, pieces = axis_choice % len(shape), []
+    per_rank = -(-shape[axis] // tp)  # vocabulary-style split: equal shards, the last one padded
+    for t in range(tp):
+        shard = Shard(tuple(shape), axis, t * per_rank, (t + 1) * per_rank) if tp > 1 else None
+        numel = Piece(tuple(shape), shard).cut(full).size
+        for d in range(dp):
+            flat = shard_bounds(numel, dp, d) if dp > 1 else None
+            piece = Piece(tuple(shape), shard, flat)
+            pieces.append((piece, piece.cut(full).copy()))
+    order = np.random.default_rng(seed + 1).permutation(len(pieces))
+    np.testing.assert_array_equal(assemble([pieces[i] for i in order]), full)
+    for piece, _ in pieces:
+        assert Piece.from_json(json.loads(json.dumps(piece.to_json())), shape) == piece
+
+
+# ---- resume equals an uninterrupted run: one process ------------------------------------------------
+
+
+def run(cfg: TrainConfig, comm=MPI.COMM_SELF, loss_scale=None):
+    """(records, full weights on the comm's rank 0) of a run in cfg's layout over comm."""
+    trainer = train.Trainer(cfg.resolved(comm.Get_size()), comm)
+    if loss_scale:  # fp16: start the scaler at this scale
+        scaler = trainer.engine.updater.optimizer.scaler
+        scaler.load_state_dict({**scaler.state_dict(), "scale": loss_scale})
+    try:
+        records = trainer.run()
+        return records, trainer.full_state()
+    finally:  # MPI has a few thousand communicators per process, and hypothesis runs many examples
+        for sub in (trainer.grid.dp, trainer.grid.pp, trainer.grid.tp):
+            sub.mpi.Free()
+
+
+@pytest.mark.parametrize("model, optimizer", [("gpt", "adamw"), ("gpt", "sgd"), ("mlp", "adamw")])
+@pytest.mark.parametrize("saved_at", [1, 3])
+def test_resume_on_one_process_is_bitwise_the_uninterrupted_run(tmp_path, model, optimizer, saved_at):
+    cfg = TINY.replace(model=model, optimizer=optimizer)
+    whole, whole_state = run(cfg)
+    first, _ = run(cfg.replace(steps=saved_at, save=str(tmp_path)))
+    rest, state = run(cfg.replace(resume=str(tmp_path)))
+    assert [r["step"] for r in first + rest] == list(range(cfg.steps))
+    assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]
+    assert state.keys() == whole_state.keys()
+    for name in state:
+        np.testing.assert_array_equal(state[name], whole_state[name], err_msg=name)
+
+
+@pytest.mark.parametrize("saved_at", [1, 4])
+def test_fp16_resume_carries_the_loss_scaler(tmp_path, saved_at):
+    """Started at a loss scale of 2^21, fp16 gradients overflow: the first three steps are skipped and
+    the scale halves each time. The checkpoint carries the scale (and, after skipped steps, AdamW's
+    lower step count), so the resumed run skips and steps exactly as the uninterrupted one."""
+    cfg = TINY.replace(precision="fp16", steps=6)
+    whole, whole_state = run(cfg, loss_scale=2.0**21)
+    first, _ = run(cfg.replace(steps=saved_at, save=str(tmp_path)), loss_scale=2.0**21)
+    scaler = json.loads((tmp_path / "manifest.json").read_text())["loss_scaler"]
+    rest, state = run(cfg.replace(resume=str(tmp_path)))
+    assert scaler["scale"] == 2.0 ** (21 - min(saved_at, 3))
+    assert [r["loss_scaling"] for r in first + rest] == [r["loss_scaling"] for r in whole]
+    assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]
+    for name in state:
+        np.testing.assert_array_equal(state[name], whole_state[name], err_msg=name)
+
+
+def test_saving_again_at_the_same_step_keeps_the_old_files_until_the_new_manifest(tmp_path):
+    run(TINY.replace(steps=2, save=str(tmp_path)))
+    first = json.loads((tmp_path / "manifest.json").read_text())
+    run(TINY.replace(steps=2, resume=str(tmp_path), save=str(tmp_path)))  # no step to run: saves again
+    second = json.loads((tmp_path / "manifest.json").read_text())
+    assert first["folder"] == "step-000002" and second["folder"] == "step-000002.1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "step-000002.1"]
+    renamed = json.dumps(first["tensors"]).replace("step-000002/", "step-000002.1/")
+    assert second["tensors"] == json.loads(renamed)
+
+
+# ---- bad checkpoints are refused with one line, before anything is read ------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of TINY after 2 steps, to damage copies of."""
+    directory = tmp_path_factory.mktemp("saved")
+    run(TINY.replace(steps=2, save=str(directory)))
+    return directory
+
+
+def damaged(saved: Path, tmp_path: Path, damage) -> Path:
+    copy = tmp_path / "checkpoint"
+    shutil.copytree(saved, copy)
+    damage(copy, sorted(copy.glob("step-*/*.npz"))[0])
+    return copy
+
+
+def truncate(path: Path, keep=0.5):
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
+
+
+def flip_a_byte(path: Path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d, npz: shutil.rmtree(d), "no such directory"),
+    (lambda d, npz: (d / "manifest.json").unlink(), "no manifest.json"),
+    (lambda d, npz: truncate(d / "manifest.json"), "manifest.json is unreadable or truncated"),
+    (lambda d, npz: (d / "manifest.json").write_text('{"format": "other"}'), "is not a minipar-checkpoint-1"),
+    (lambda d, npz: (d / "manifest.json").write_text('{"format": "minipar-checkpoint-1"}'), "is malformed"),
+    (lambda d, npz: npz.unlink(), "rank00000.npz is missing"),
+    (lambda d, npz: truncate(npz), "rank00000.npz is truncated or altered"),
+    (lambda d, npz: flip_a_byte(npz), "rank00000.npz is corrupt: its SHA-256 differs"),
+])
+def test_a_damaged_checkpoint_is_refused_in_one_line(saved, tmp_path, damage, message):
+    directory = damaged(saved, tmp_path, damage)
+    cfg = TINY.replace(resume=str(directory))
+    errors = validate(cfg, 1)
+    assert len(errors) == 1 and message in errors[0] and "\n" not in errors[0], errors
+    with pytest.raises(CheckpointError, match=message):
+        train.Trainer(cfg.resolved(1), MPI.COMM_SELF)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(n_layer=3), "another model (n_layer 2 there, 3 here)"),
+    (dict(d_model=32), "another model (d_model 16 there, 32 here)"),
+    (dict(model="mlp"), "another model (model 'gpt' there, 'mlp' here"),
+    (dict(optimizer="sgd"), "optimizer 'adamw' there, 'sgd' here"),
+    (dict(seed=5), "saved with --seed 0"),
+    (dict(steps=1), "the checkpoint is at step 2, past --steps 1"),
+])
+def test_a_checkpoint_of_another_model_or_run_is_refused(saved, changes, message):
+    errors = validate(TINY.replace(resume=str(saved), **changes), 1)
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_precision_and_layout_are_not_part_of_the_model(saved):
+    assert validate(TINY.replace(resume=str(saved), precision="fp32", batch_size=4), 1) == []
+
+
+# ---- resume in another layout, world size included: multi-rank ---------------------------------------
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# Chunked ZeRO-3 (chunked_zero.py): chunks only, or with blocks offloaded to cpu or disk under a device
+# budget (MiB) by ranks, measured to leave room for TINY's activations yet move blocks every step
+BUDGET = {1: 0.45, 2: 0.25, 4: 0.15, 8: 0.1}
+CHUNKING = {"": lambda ranks: {}, "chunks": lambda ranks: dict(chunk_mb=0.01),
+            "cpu": lambda ranks: dict(offload="cpu", device_mem_mb=BUDGET[ranks]),
+            "disk": lambda ranks: dict(offload="disk", device_mem_mb=BUDGET[ranks])}
+
+
+def layouts(world_size: int) -> list[tuple]:
+    """Every (ranks, dp, tp, pp, zero, microbatches, chunking) that TINY trains on `ranks` <= world_size."""
+    found = []
+    for ranks in divisors(world_size):
+        for tp in divisors(ranks):
+            for pp in divisors(ranks // tp):
+                for zero in (0, 1, 2, 3):
+                    for microbatches in (1, 2):
+                        for chunking in CHUNKING if zero == 3 else [""]:
+                            layout = (ranks, ranks // (tp * pp), tp, pp, zero, microbatches, chunking)
+                            if not validate(configured(TINY, layout), ranks):
+                                found.append(layout)
+    return found
+
+
+def configured(cfg: TrainConfig, layout: tuple) -> TrainConfig:
+    ranks, dp, tp, pp, zero, microbatches, chunking = layout
+    return cfg.replace(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=microbatches, **CHUNKING[chunking](ranks))
+
+
+def on_ranks(ranks: int, cfg: TrainConfig):
+    """Run cfg on world ranks [0, ranks) (the others wait): (records, full weights) on rank 0."""
+    sub = WORLD.Split(0 if WORLD.rank < ranks else MPI.UNDEFINED, WORLD.rank)
+    if sub == MPI.COMM_NULL:
+        return None, None
+    try:
+        return run(cfg, sub)
+    finally:
+        sub.Free()
+
+
+def shared_directory():
+    """A fresh directory that every rank names alike (created by rank 0)."""
+    return Path(WORLD.bcast(tempfile.mkdtemp(prefix="minipar-ckpt-") if WORLD.rank == 0 else None))
+
+
+LAYOUTS = layouts(WORLD.size)
+
+
+@mpi_given(max_examples=8, saved=st.sampled_from(LAYOUTS), resumed=st.sampled_from(LAYOUTS),
+           saved_at=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_resume_in_another_layout_trains_like_one_process(saved, resumed, saved_at, seed):
+    """Saved at one layout and world size, resumed at another: the losses after the save and the
+    final weights agree with one uninterrupted single-process run to a relative 1e-9 (fp64)."""
+    resumes_like_one_process(saved, resumed, saved_at, seed)
+
+
+@mpi_given(max_examples=4, chunked=st.sampled_from([layout for layout in LAYOUTS if layout[-1]]),
+           other=st.sampled_from(LAYOUTS), chunked_first=st.booleans(), saved_at=st.integers(1, 3))
+def test_chunked_and_offloaded_state_resumes_in_any_layout(chunked, other, chunked_first, saved_at):
+    """Chunked ZeRO-3's blocks (on the device, in CPU memory or on disk) save and load like the rest."""
+    saved, resumed = (chunked, other) if chunked_first else (other, chunked)
+    resumes_like_one_process(saved, resumed, saved_at, seed=0)
+
+
+def resumes_like_one_process(saved: tuple, resumed: tuple, saved_at: int, seed: int):
+    directory, cfg = shared_directory(), TINY.replace(seed=seed)
+    try:
+        on_ranks(saved[0], configured(cfg, saved).replace(steps=saved_at, save=str(directory)))
+        records, full = on_ranks(resumed[0], configured(cfg, resumed).replace(resume=str(directory)))
+        if WORLD.rank == 0:
+            assert [r["step"] for r in records] == list(range(saved_at, cfg.steps))
+            check = train.compare_with_reference(cfg, records, full)
+            assert check["max_rel_loss_deviation"] <= 1e-9, check
+            assert check["max_rel_weight_deviation"] <= 1e-9, check
+    finally:  # no collective here: a rank that failed must reach the harness, which ends the job
+        if WORLD.rank == 0:
+            shutil.rmtree(directory)
+
+
+SAME_WORLD = [(layout, precision) for layout in LAYOUTS if layout[0] == WORLD.size
+              for precision in ("fp64", "bf16", "fp16")
+              if not validate(configured(TINY, layout).replace(precision=precision), WORLD.size)]
+
+
+@mpi_given(max_examples=6, case=st.sampled_from(SAME_WORLD), saved_at=st.integers(1, 3))
+def test_resume_in_the_same_layout_is_bitwise_the_uninterrupted_run(case, saved_at):
+    """Any precision: mixed precision's fp32 masters are the parameters, and fp16's scaler is saved."""
+    layout, precision = case
+    directory, cfg = shared_directory(), configured(TINY, layout).replace(precision=precision)
+    try:
+        whole, whole_state = run(cfg, WORLD)
+        first, _ = run(cfg.replace(steps=saved_at, save=str(directory)), WORLD)
+        rest, state = run(cfg.replace(resume=str(directory)), WORLD)
+        if WORLD.rank == 0:
+            assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]
+            for name in whole_state:
+                np.testing.assert_array_equal(state[name], whole_state[name], err_msg=name)
+    finally:
+        if WORLD.rank == 0:
+            shutil.rmtree(directory)

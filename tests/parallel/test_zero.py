@@ -1,0 +1,185 @@
+"""ZeRO stages 1-3: the single-process numbers, the planner's bytes, and the ring's traffic, exactly.
+
+    pytest -m "not mpi" tests/test_zero.py                       # padding, one rank, the hooks
+    mpiexec -n K python -m pytest -m mpi tests/test_zero.py       # K = 2, 4, 8: dp = K
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mpi4py import MPI
+from mpi_harness import mpi_given, mpi_test, needs_world_size
+
+from minipar.memory import planner
+from minipar.memory.ledger import buffer_meter
+from minipar.parallel.ddp import DistributedDataParallel
+from minipar.parallel.zero import ZeroStage1, ZeroStage2, padded_numel
+from minipar.parallel.zero3 import ZeroStage3
+from minipar.trainer import build as hybrid
+from minipar.trainer import loop as train
+from minipar.trainer.config import TrainConfig
+
+ADAM_FP64 = {"k": 16, "param_bytes": 8, "grad_bytes": 8}  # minipar's own bytes: fp64, Adam's two moments
+STAGE_CLASS = {0: DistributedDataParallel, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
+
+
+def tiny(**changes) -> TrainConfig:
+    """A GPT small enough that 8 ranks on 2 cores train it in a blink; 3 heads of 3 make every unit's
+    parameter count odd (the embedding has 21·9 = 189), so no dp > 1 divides it: shards are padded."""
+    base = TrainConfig(model="gpt", precision="fp64", n_layer=2, n_head=3, d_model=9, seq_len=8,
+                       batch_size=8, steps=2, quiet=True)
+    return base.replace(**changes)
+
+
+def unit_sizes(cfg) -> list[int]:
+    """Parameters per unit of the full model, counted on a model ZeRO never touched."""
+    model = hybrid.build_model(cfg.replace(dp=1, zero=0), None)
+    return [sum(p.size for p in module.parameters()) for _, module in model.units()]
+
+
+def assert_matches_reference(cfg, records, full):
+    losses, reference = train.reference_run(cfg)
+    np.testing.assert_allclose([r["loss"] for r in records], losses, rtol=1e-9, atol=0)
+    for name, (_, want) in reference.items():
+        # atol: entries that sit near zero (biases barely moved from their zero start) carry
+        # roundoff that no relative tolerance can compare
+        np.testing.assert_allclose(full[name], want, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+# ---- serial ----
+
+@given(numel=st.integers(0, 10_000), parts=st.integers(1, 64))
+def test_padding_gives_every_rank_an_equal_shard_and_wastes_less_than_one_element_each(numel, parts):
+    padded = padded_numel(numel, parts)
+    assert padded % parts == 0 and numel <= padded < numel + parts
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_rank_trains_to_the_reference_and_holds_the_formulas_bytes(stage):
+    cfg = tiny(dp=1, zero=stage, microbatches=2, batch_size=4, steps=2)
+    trainer = train.Trainer(cfg, MPI.COMM_SELF)
+    records = trainer.run()
+    assert isinstance(trainer.engine.updater, STAGE_CLASS[stage])
+    assert_matches_reference(cfg, records, trainer.full_state())
+    mem = records[-1]["mem"]
+    formula = planner.model_state_bytes(sum(unit_sizes(cfg)), 1, stage, **ADAM_FP64)
+    assert mem["params"] + mem["grads"] + mem["optimizer"] == formula
+
+
+def test_stage3_frees_every_parameter_outside_its_units_forward_and_backward():
+    trainer = train.Trainer(tiny(dp=1, zero=3, steps=1), MPI.COMM_SELF)
+    params = trainer.engine.model.parameters()
+    assert all(p.data.size == 0 for p in params)
+    trainer.run()
+    assert all(p.data.size == 0 and p.grad is None for p in params)
+    model = trainer.engine.model
+    logits = model(trainer.task.global_batch(0, 2)[0])  # any forward gathers and frees unit by unit
+    assert logits.shape == (2, 8, 13) and all(p.data.size == 0 for p in params)
+
+
+# ---- multi-rank: dp = world size ----
+
+@mpi_given(max_examples=10,
+           stage=st.sampled_from([1, 2, 3]),
+           model=st.sampled_from(["gpt", "mlp"]),
+           heads=st.sampled_from([(3, 3), (2, 4), (4, 4)]),
+           microbatches=st.integers(1, 2),
+           optimizer=st.sampled_from(["adamw", "sgd"]),
+           weight_decay=st.sampled_from([0.0, 0.1]),
+           seed=st.integers(0, 2**16))
+def test_zero_trains_to_the_single_process_losses_and_weights(comm, stage, model, heads, microbatches,
+                                                              optimizer, weight_decay, seed):
+    n_head, head_dim = heads
+    cfg = tiny(model=model, n_head=n_head, d_model=n_head * head_dim, dp=comm.size, zero=stage,
+               batch_size=comm.size * microbatches, microbatches=microbatches, optimizer=optimizer,
+               weight_decay=weight_decay, seed=seed, steps=3)
+    trainer = train.Trainer(cfg, comm.mpi)
+    records = trainer.run()
+    full = trainer.full_state()
+    assert isinstance(trainer.engine.updater, STAGE_CLASS[stage])
+    if comm.rank == 0:
+        assert_matches_reference(cfg, records, full)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@mpi_test
+def test_model_state_bytes_per_rank_are_the_planners_formula(comm, stage):
+    n = comm.size
+    cfg = tiny(dp=n, zero=stage, batch_size=2 * n, steps=1)
+    mem = train.Trainer(cfg, comm.mpi).run()[0]["mem"]
+    sizes = unit_sizes(cfg)
+    formula = planner.model_state_bytes(sum(sizes), n, stage, **ADAM_FP64)
+    measured = mem["params"] + mem["grads"] + mem["optimizer"]
+    assert abs(measured - formula) <= 0.02 * formula
+    # and exactly: what the formula leaves out is the padding, fewer than n elements per unit
+    whole, shard = sum(sizes), sum(padded_numel(s, n) for s in sizes) // n
+    itemsize = 8
+    expected = {0: (whole, whole, 2 * whole), 1: (shard * n, whole, 2 * shard),
+                2: (shard * n, shard, 2 * shard), 3: (shard, shard, 2 * shard)}[stage]
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == tuple(itemsize * e for e in expected)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@mpi_test
+def test_bytes_per_step_are_two_or_three_times_n_minus_one_over_n_of_the_model(comm, stage):
+    n = comm.size
+    cfg = tiny(dp=n, zero=stage, batch_size=2 * n, steps=2, bucket_mb=1.0)
+    records = train.Trainer(cfg, comm.mpi).run()
+    sizes = unit_sizes(cfg)
+    psi, padded = sum(sizes), sum(padded_numel(s, n) for s in sizes)
+    passes = 3 if stage == 3 else 2  # stage 3 gathers the parameters twice: forward and backward
+    for record in records:
+        traffic = record["comm"]
+        sent = traffic["sent_bytes"]
+        assert traffic["by_dim"] == {"dp": sent}
+        if stage == 0:  # one bucket, all-reduced by the ring (uneven chunks: the ranks add up exactly)
+            assert traffic["by_op"] == {"all_reduce": sent} and traffic["messages"] == 2 * (n - 1)
+            assert sum(comm.allgather_obj(sent)) == passes * (n - 1) * psi * 8
+            continue
+        # every unit: one reduce-scatter, and one (stages 1, 2) or two (stage 3) all-gathers
+        assert traffic["by_op"] == {"reduce_scatter": sent // passes, "all_gather": sent - sent // passes}
+        assert traffic["messages"] == passes * (n - 1) * len(sizes)
+        assert sent == passes * (n - 1) * padded // n * 8
+        assert padded - psi < n * len(sizes)
+
+
+@mpi_test
+def test_stage3_sends_one_and_a_half_times_stage1(comm):
+    n = comm.size
+    sent = {stage: train.Trainer(tiny(dp=n, zero=stage, batch_size=2 * n, steps=1), comm.mpi).run()[0]
+            ["comm"]["sent_bytes"] for stage in (1, 3)}
+    assert 2 * sent[3] == 3 * sent[1]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@mpi_test
+def test_stages_2_and_3_hold_one_units_full_gradients_at_a_time(comm, stage):
+    n = comm.size
+    cfg = tiny(dp=n, zero=stage, batch_size=2 * n, steps=1)
+    trainer = train.Trainer(cfg, comm.mpi)
+    mem = trainer.run()[0]["mem"]
+    assert all(p.grad is None for p in trainer.engine.model.parameters())
+    sizes = unit_sizes(cfg)
+    # at a unit's reduce-scatter: its gradients, their padded flat copy, and (stage 3) its gathered
+    # parameters; every other unit is down to its shards
+    held = [s + padded_numel(s, n) + (padded_numel(s, n) if stage == 3 else 0) for s in sizes]
+    assert mem["buffers_peak"] == 8 * max(held)
+    assert buffer_meter.current == 0  # and all of it released by the end of the step
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("layout", [{"pp": 2, "microbatches": 2}, {"tp": 2, "n_head": 2, "d_model": 10}])
+@needs_world_size(4, 8)
+@mpi_test
+def test_zero_composes_with_pipeline_and_tensor_parallelism(comm, stage, layout):
+    """ZeRO shards whatever parameters this rank's model holds, over its data-parallel group."""
+    dp = comm.size // 2
+    cfg = tiny(dp=dp, zero=stage, batch_size=2 * dp, steps=2, **layout)
+    trainer = train.Trainer(cfg, comm.mpi)
+    records = trainer.run()
+    full = trainer.full_state()
+    if comm.rank == 0:
+        assert_matches_reference(cfg, records, full)
