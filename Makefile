@@ -28,7 +28,8 @@ $(INSTALLED): pyproject.toml | $(PYTHON)
 	$(PYTHON) -m pip install -e ".[mpich,dev]"
 	touch $@
 
-test: $(INSTALLED)
+# lint first: a broken layer rule or type error fails in seconds, before minutes of tests.
+test: lint
 	@t=$$(date +%s); $(PYTHON) -m pytest -m "not mpi" -q; s=$$?; $(call say,serial tests,$$t); exit $$s
 	@t=$$(date +%s); $(PYTHON) -m pytest --markdown-docs -m markdown-docs -q lessons/; s=$$?; \
 	  $(call say,lessons,$$t); exit $$s
@@ -47,5 +48,11 @@ demo: $(INSTALLED)
 bench: $(INSTALLED)
 	$(PYTHON) -m minipar bench all
 
+# ruff (style), lint-imports (imports point down the layers, no cycles inside one: [tool.importlinter]) and
+# mypy (core, dist, parallel: [tool.mypy]). All three run even when one fails, so one pass shows everything.
 lint: $(INSTALLED)
-	$(VENV)/bin/ruff check minipar tests
+	@t=$$(date +%s); s=0; \
+	  $(VENV)/bin/ruff check minipar tests || s=1; \
+	  $(VENV)/bin/lint-imports --no-logo || s=1; \
+	  $(VENV)/bin/mypy || s=1; \
+	  $(call say,lint,$$t); exit $$s

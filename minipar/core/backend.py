@@ -26,6 +26,7 @@ Lesson: lessons/11_gpu.md.
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 import numpy
 
@@ -37,7 +38,7 @@ CUDA_AWARE_ENV = "MINIPAR_CUDA_AWARE"  # 1: this MPI reads device memory, skip t
 class Backend:
     """An array module, the copies between it and host memory, and the buffers handed to MPI."""
 
-    def __init__(self, name: str, xp, cuda_aware: bool = False, device: int | None = None):
+    def __init__(self, name: str, xp: ModuleType, cuda_aware: bool = False, device: int | None = None):
         self.name = name
         self.xp = xp
         self.on_device = xp is not numpy  # arrays live in device memory, out of MPI's plain reach
@@ -85,7 +86,7 @@ class Backend:
         return f"Backend({self.name!r}{details})"
 
 
-def cupy_module():
+def cupy_module() -> tuple[ModuleType, int]:
     """The cupy module and how many GPUs it sees; a one-line RuntimeError when either is missing."""
     try:
         import cupy
@@ -153,7 +154,7 @@ def set_backend(name: str, local_rank: int | None = None, cuda_aware: bool | Non
     return _current
 
 
-def xp_of(array):
+def xp_of(array) -> ModuleType:
     """The array module (numpy or cupy) that array belongs to, like cupy.get_array_module."""
     if type(array).__module__.split(".")[0] == "cupy":
         import cupy

@@ -169,9 +169,9 @@ class GPT(Module):
             x = unit(x)
         return x
 
-    @staticmethod
-    def loss(logits, targets, normaliser: int):
-        """Summed token cross-entropy divided by the global token count (the same in every layout)."""
+    def loss(self, logits, targets, normaliser: int):
+        """Summed token cross-entropy divided by the global token count (the same in every layout).
+        A method, not a static one: TensorParallelGPT overrides it with a loss that needs its comm."""
         V = logits.shape[-1]
         return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), "sum") * (1.0 / normaliser)
 
@@ -218,7 +218,6 @@ class MLPNet(Module):
             x = unit(x)
         return x
 
-    @staticmethod
-    def loss(prediction, targets, normaliser: int):
+    def loss(self, prediction, targets, normaliser: int):
         """Summed squared error divided by the global number of samples."""
         return F.mse_loss(prediction, targets, "sum") * (1.0 / normaliser)

@@ -39,7 +39,7 @@ from minipar.core import backend
 from minipar.dist.comm import Comm, shard_bounds, shard_sizes
 
 
-def _same(x):
+def _same(x: numpy.ndarray) -> numpy.ndarray:
     return x
 
 
@@ -47,8 +47,8 @@ def _same(x):
 class Wire:
     """How a chunk travels: encode(chunk) -> wire array of the same length, decode(wire) -> chunk."""
 
-    encode: Callable = _same
-    decode: Callable = _same
+    encode: Callable[[numpy.ndarray], numpy.ndarray] = _same
+    decode: Callable[[numpy.ndarray], numpy.ndarray] = _same
 
 
 UNCHANGED = Wire()  # chunks travel in their working dtype

@@ -70,7 +70,7 @@ class Piece:
 def assemble(pieces: list[tuple[Piece, np.ndarray]]) -> np.ndarray:
     """The full tensor from pieces that together cover it: each shard's flat ranges, then the shards."""
     full_shape = pieces[0][0].full_shape
-    shards = {}
+    shards: dict[Shard | None, np.ndarray] = {}  # None: an unsplit tensor
     for piece, array in pieces:
         local = shards.setdefault(piece.shard, np.zeros(piece.local_shape(), dtype=array.dtype))
         start, stop = piece.flat or (0, local.size)
