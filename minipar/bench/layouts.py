@@ -16,9 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
-from minipar.bench.dp import run_train
+from minipar.bench.timing import median, run_train
 from minipar.trainer.cli import parse_train_args
 from minipar.trainer.config import validate
 
@@ -39,11 +37,11 @@ def measure_layout(ranks, layout, steps, warmup, zero, train_args, folder) -> di
     bubbles = [r["pipeline"]["bubble_measured"] for r in records if r.get("pipeline")]
     return {
         "dp": dp, "pp": pp, "tp": tp,
-        "tokens_per_s": float(np.median([r["tokens_per_s"] for r in records])),
+        "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
         "model_states": last["mem"]["params"] + last["mem"]["grads"] + last["mem"]["optimizer"],
         "activations_peak": last["mem"]["activations_peak"],
         "dp_bytes": by_dim.get("dp", 0), "pp_bytes": by_dim.get("pp", 0), "tp_bytes": by_dim.get("tp", 0),
-        "bubble": float(np.median(bubbles)) if bubbles else None,
+        "bubble": median(bubbles) if bubbles else None,
     }
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar.bench.dp import run_train
+from minipar.bench.timing import median, run_train
 from minipar.trainer.cli import parse_train_args
 from minipar.trainer.config import validate
 
@@ -63,10 +63,6 @@ def measure(stages: int, microbatches: list[int], steps: int, warmup: int, repea
             "stage0_sent_bytes": int(records[-1]["comm"]["sent_bytes"]),
         })
     return {"train_args": train_args, "stages": stages, "repeats": repeats, "rows": rows}
-
-
-def median(records: list[dict], key) -> float:
-    return float(np.median([key(r) for r in records]))
 
 
 def per_stage(values, scale: float = 1.0, digits: int = 2) -> str:

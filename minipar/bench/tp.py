@@ -19,9 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
-from minipar.bench.dp import run_train
+from minipar.bench.timing import median, run_train
 from minipar.core.nn import Block
 from minipar.trainer.build import model_config
 from minipar.trainer.cli import parse_train_args
@@ -58,11 +56,11 @@ def measure(n: int, steps: int, warmup: int, repeats: int, train_args: list[str]
     formulas = block_formulas(cfg, n)
     rows = []
     for name, records in kept.items():
-        sent = int(np.median([r["comm"]["sent_bytes"] for r in records]))
-        messages = int(np.median([r["comm"]["messages"] for r in records]))
+        sent = int(median(records, lambda r: r["comm"]["sent_bytes"]))
+        messages = int(median(records, lambda r: r["comm"]["messages"]))
         rows.append({
             "layout": name if name == "single" else f"{name}={n}",
-            "tokens_per_s": float(np.median([r["tokens_per_s"] for r in records])),
+            "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
             "params_bytes": records[-1]["mem"]["params"],
             "sent_bytes_per_step": sent,
             "all_reduces_per_step": messages // (2 * (n - 1)) if name != "single" else 0,
