@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minipar.bench.table import right_aligned
 from minipar.bench.timing import median, median_seconds, run_mpi, run_train
 from minipar.core.nn import GPT, MLPNet
 from minipar.trainer.build import model_config
@@ -100,15 +101,12 @@ COLUMNS = [  # (header, how to show a row's figure)
 
 
 def render(figures: dict, warmup: int) -> str:
-    rows = [[str(show(r)) for _, show in COLUMNS] for r in figures["rows"]]
-    table = [[header for header, _ in COLUMNS]] + rows
-    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
     return "\n".join(
         [f"minipar train {' '.join(figures['train_args'])}",
          f"same global batch of {figures['global_batch']} for every dp; medians over {figures['repeats']} "
          f"interleaved runs of each, after {warmup} warm-up steps",
          f"gradient bytes {figures['gradient_bytes']}"]
-        + ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+        + right_aligned(figures["rows"], COLUMNS)
         + ["compute-only: the speed-up if each rank only computed (one process timed on B/dp samples)",
            "all-reduce G: one all-reduce of the whole gradient alone (a separate run, median of 20)"])
 

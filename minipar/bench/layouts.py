@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from minipar.bench.table import right_aligned
 from minipar.bench.timing import median, run_train
 from minipar.trainer.cli import parse_train_args
 from minipar.trainer.config import validate
@@ -45,15 +46,22 @@ def measure_layout(ranks, layout, steps, warmup, zero, train_args, folder) -> di
     }
 
 
+COLUMNS = [  # (header, how to show a row's figure)
+    ("dp", lambda r: r["dp"]),
+    ("pp", lambda r: r["pp"]),
+    ("tp", lambda r: r["tp"]),
+    ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
+    ("model states B", lambda r: f"{r['model_states']:,}"),
+    ("activations B", lambda r: f"{r['activations_peak']:,}"),
+    ("dp B/step", lambda r: f"{r['dp_bytes']:,}"),
+    ("pp B/step", lambda r: f"{r['pp_bytes']:,}"),
+    ("tp B/step", lambda r: f"{r['tp_bytes']:,}"),
+    ("bubble", lambda r: "-" if r["bubble"] is None else f"{r['bubble']:.2f}"),
+]
+
+
 def render(rows: list[dict], header: str) -> str:
-    columns = ["dp", "pp", "tp", "tokens/s", "model states B", "activations B", "dp B/step", "pp B/step",
-               "tp B/step", "bubble"]
-    table = [columns] + [[str(r["dp"]), str(r["pp"]), str(r["tp"]), f"{r['tokens_per_s']:.0f}",
-                          f"{r['model_states']:,}", f"{r['activations_peak']:,}", f"{r['dp_bytes']:,}",
-                          f"{r['pp_bytes']:,}", f"{r['tp_bytes']:,}",
-                          "-" if r["bubble"] is None else f"{r['bubble']:.2f}"] for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
-    return "\n".join([header] + ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table])
+    return "\n".join([header] + right_aligned(rows, COLUMNS))
 
 
 def main(argv) -> int:

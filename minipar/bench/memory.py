@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from minipar.bench.table import right_aligned
 from minipar.bench.timing import median, run_train
 from minipar.memory.chunks import chunk_padding
 from minipar.parallel.zero_chunked import chunk_numel_for, tensor_sizes
@@ -86,12 +87,6 @@ def measure_offload(budgets: list[float], steps: int, folder: Path) -> list[dict
     return rows
 
 
-def table(rows: list[dict], columns: list[tuple]) -> list[str]:
-    cells = [[header for header, _ in columns]] + [[str(show(r)) for _, show in columns] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    return ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in cells]
-
-
 MESSAGE_COLUMNS = [
     ("engine", lambda r: r["engine"]),
     ("chunk elements", lambda r: r.get("chunk_numel", "-")),
@@ -120,8 +115,9 @@ OFFLOAD_COLUMNS = [
 def render(figures: dict) -> str:
     messages = f"minipar train {' '.join(MESSAGES_ARGS)} --dp {figures['ranks']} (the default GPT)"
     offload = f"minipar train {' '.join(OFFLOAD_ARGS)} --offload TIER --device-mem-mb B --eviction E"
-    return "\n".join([messages + ", medians after step 0"] + table(figures["messages"], MESSAGE_COLUMNS)
-                     + ["", offload + " (one rank)"] + table(figures["offload"], OFFLOAD_COLUMNS))
+    return "\n".join([messages + ", medians after step 0"]
+                     + right_aligned(figures["messages"], MESSAGE_COLUMNS)
+                     + ["", offload + " (one rank)"] + right_aligned(figures["offload"], OFFLOAD_COLUMNS))
 
 
 def main(argv) -> int:

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from minipar.bench.table import right_aligned
 from minipar.bench.timing import median, run_train
 from minipar.core.nn import Block
 from minipar.trainer.build import model_config
@@ -85,12 +86,10 @@ COLUMNS = [
 
 
 def render(figures: dict, warmup: int) -> str:
-    table = [[h for h, _ in COLUMNS]] + [[str(show(r)) for _, show in COLUMNS] for r in figures["rows"]]
-    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
     return "\n".join(
         [f"minipar train {' '.join(figures['train_args']) or '(default options)'}   (rank 0's figures)",
          f"medians over {figures['repeats']} interleaved runs of each layout, after {warmup} warm-up steps"]
-        + ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+        + right_aligned(figures["rows"], COLUMNS)
         + ["sent B/block: one step with --n-layer L+1 minus one with L; formula: tp 4 x 2(N-1)/N x "
            "batch*seq*d_model values, dp 2(N-1)/N x the block's parameters"])
 
