@@ -12,7 +12,7 @@ One way of timing for all of them, so that their figures can be set side by side
             the other.
   ranks     each process of an mpiexec run gets one BLAS thread: a rank stands for one device, and
             ranks sharing cores with their own thread pools would measure oversubscription.
-Used by every file in minipar/bench; no lesson quotes it directly.
+Used by every file in minipar/bench; the lessons' examples launch their mpiexec jobs with mpiexec().
 """
 
 from __future__ import annotations
