@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
+from minipar.bench.table import right_aligned
+from minipar.bench.timing import median, median_seconds, run_mpi, run_train
 from minipar.core.nn import GPT, MLPNet
 from minipar.trainer.build import model_config
 from minipar.trainer.cli import parse_train_args
@@ -32,44 +30,16 @@ from minipar.trainer.cli import parse_train_args
 DEFAULT_TRAIN_ARGS = ["--batch-size", "32"]
 
 
-def mpiexec() -> str:
-    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH."""
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
-
-
-def run_mpi(ranks: int, args: list[str]) -> str:
-    """Run `python ARGS` on `ranks` processes and return their standard output."""
-    command = [mpiexec(), "-n", str(ranks), sys.executable, *args]
-    # One BLAS thread per process: each rank stands for one device, and two ranks sharing cores with
-    # their own thread pools would measure oversubscription, not data parallelism.
-    env = {**os.environ, "MPIEXEC_TIMEOUT": os.environ.get("MPIEXEC_TIMEOUT", "600"),
-           **{name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()}")
-    return done.stdout
-
-
-def run_train(ranks: int, train_args: list[str], log: Path) -> list[dict]:
-    """Run `minipar train` on `ranks` processes and return rank 0's log records."""
-    run_mpi(ranks, ["-m", "minipar", "train", *train_args, "--quiet", "--log", str(log)])
-    return [json.loads(line) for line in log.read_text().splitlines()]
-
-
 def all_reduce_seconds(nbytes: int, repeats: int = 20) -> float:
-    """Under mpiexec: the median seconds of one all-reduce of `nbytes` over COMM_WORLD."""
+    """Under mpiexec: the median seconds of one all-reduce of `nbytes` over COMM_WORLD, the slowest
+    rank's; a barrier before each, so that no rank's time includes waiting for the others to arrive."""
     from mpi4py import MPI
 
     from minipar.dist.comm import Comm
 
-    comm, buffer, times = Comm(MPI.COMM_WORLD), np.ones(nbytes // 8), []
-    for _ in range(repeats):
-        comm.barrier()
-        started = time.perf_counter()
-        comm.all_reduce(buffer)
-        times.append(time.perf_counter() - started)
-    return comm.allreduce_obj(float(np.median(times)), op="max")
+    comm, buffer = Comm(MPI.COMM_WORLD), np.ones(nbytes // 8)
+    seconds = median_seconds(lambda: comm.all_reduce(buffer), repeats, before=comm.barrier)
+    return comm.allreduce_obj(seconds, op="max")
 
 
 def gradient_bytes(train_args: list[str]) -> int:
@@ -77,10 +47,6 @@ def gradient_bytes(train_args: list[str]) -> int:
     cfg = parse_train_args(train_args)
     model = (GPT if cfg.model == "gpt" else MLPNet)(model_config(cfg), seed=None)
     return sum(p.data.nbytes for p in model.parameters())
-
-
-def median(records: list[dict], key) -> float:
-    return float(np.median([key(r) for r in records]))
 
 
 def measure(sizes: list[int], steps: int, warmup: int, repeats: int, train_args: list[str]) -> dict:
@@ -106,7 +72,7 @@ def measure(sizes: list[int], steps: int, warmup: int, repeats: int, train_args:
             "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
             "step_s": median(records, lambda r: r["time_s"]),
             "share_step_s": median(share, lambda r: r["time_s"]),
-            "all_reduce_s": float(np.median(kept["all_reduce", n])) if n > 1 else 0.0,
+            "all_reduce_s": median(kept["all_reduce", n]) if n > 1 else 0.0,
             "sent_bytes_per_step": int(median(records, lambda r: r["comm"]["sent_bytes"])),
             "messages_per_step": int(median(records, lambda r: r["comm"]["messages"])),
             "ring_formula_bytes": 2 * (n - 1) * grad_bytes / n,
@@ -135,15 +101,12 @@ COLUMNS = [  # (header, how to show a row's figure)
 
 
 def render(figures: dict, warmup: int) -> str:
-    rows = [[str(show(r)) for _, show in COLUMNS] for r in figures["rows"]]
-    table = [[header for header, _ in COLUMNS]] + rows
-    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
     return "\n".join(
         [f"minipar train {' '.join(figures['train_args'])}",
          f"same global batch of {figures['global_batch']} for every dp; medians over {figures['repeats']} "
          f"interleaved runs of each, after {warmup} warm-up steps",
          f"gradient bytes {figures['gradient_bytes']}"]
-        + ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+        + right_aligned(figures["rows"], COLUMNS)
         + ["compute-only: the speed-up if each rank only computed (one process timed on B/dp samples)",
            "all-reduce G: one all-reduce of the whole gradient alone (a separate run, median of 20)"])
 

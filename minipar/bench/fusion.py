@@ -5,6 +5,8 @@ default), and the AdamW update over four. Each runs eagerly (one NumPy operation
 fused (tile by tile in cache); the table shows the median of repeated runs, the bytes each moved
 by the interpreters' count, and fused-over-eager ratios measured in the same run. The chain's line
 "numpy" is the same expression as plain NumPy code, for reference. Lesson: lessons/10_fusion.md.
+
+    python -m minipar bench fusion [--size 16777216] [--repeats 5] [--tile 32768] [--json]
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import numpy as np
 
 from minipar import fusion as fx
+from minipar.bench.timing import alternating_medians
 from minipar.fusion.interpret import run
 from minipar.fusion.ir import array
 from minipar.fusion.tiled import TILE
@@ -29,20 +31,6 @@ def chain8(a, b, ops=np):
     """8 elementwise operations: add, multiply, subtract, multiply, maximum, add, sqrt, multiply.
     `ops` is the module providing maximum and sqrt: numpy for arrays, minipar.fusion for nodes."""
     return ops.sqrt(ops.maximum(((a + b) * a - b) * 0.5, a) + 1.0) * b
-
-
-def _median_seconds(works: dict, repeats: int) -> dict:
-    """Median wall time of each callable. The callables take turns, so a busy machine slows them
-    alike and their ratios stay honest; one untimed warm-up first (page faults, caches)."""
-    times = {name: [] for name in works}
-    for work in works.values():
-        work()
-    for _ in range(repeats):
-        for name, work in works.items():
-            start = time.perf_counter()
-            work()
-            times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def bench_chain(size: int, repeats: int, tile: int) -> dict:
@@ -67,8 +55,9 @@ def bench_adamw(size: int, repeats: int, tile: int) -> dict:
 
 
 def _rows(works: dict, repeats: int) -> dict:
-    """One row per callable: median seconds, and kernels and bytes where it returns Stats."""
-    rows = {name: dict(seconds=s) for name, s in _median_seconds(works, repeats).items()}
+    """One row per callable: median seconds (the callables timed in alternating rounds, so that a busy
+    machine slows them alike and their ratios stay honest), and kernels and bytes where it returns Stats."""
+    rows = {name: dict(seconds=s) for name, s in alternating_medians(works, repeats).items()}
     for name, work in works.items():
         stats = work()
         if hasattr(stats, "kernels"):

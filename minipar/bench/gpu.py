@@ -11,19 +11,20 @@ Three measurements, one process, one GPU:
    as the one fused kernel that minipar.fusion.codegen generates.
 Without CuPy or a GPU it prints why, on one line, and exits 2. Exit 1 if the losses disagree.
 Lesson: lessons/11_gpu.md.
+
+    python -m minipar bench gpu [--steps 6] [--size 16777216] [--repeats 20] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import numpy as np
 
 from minipar.bench import fusion as fusion_bench
+from minipar.bench.timing import median, median_seconds
 from minipar.core import backend, optim
 from minipar.fusion import training as fused_training
 from minipar.fusion.interpret import run
@@ -55,7 +56,7 @@ def deviation(run: dict, reference: dict) -> dict:
 
 
 def median_step_ms(run: dict) -> float:
-    return 1e3 * statistics.median(run["step_s"][1:] or run["step_s"])
+    return 1e3 * median(run["step_s"][1:] or run["step_s"])
 
 
 def compare_backends(cfg: TrainConfig) -> dict:
@@ -69,17 +70,9 @@ def compare_backends(cfg: TrainConfig) -> dict:
 
 
 def median_ms(work, repeats: int, sync) -> float:
-    """Median wall time of work() after one untimed warm-up (which compiles kernels), device work
-    included (sync waits for it)."""
-    work()
-    sync()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        work()
-        sync()
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times)
+    """Median milliseconds of work(), device work included (sync waits for it), after one untimed
+    warm-up that compiles the kernels."""
+    return 1e3 * median_seconds(work, repeats, sync)
 
 
 def fused_kernel_times(size: int, repeats: int) -> dict:

@@ -16,9 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
-from minipar.bench.dp import run_train
+from minipar.bench.table import right_aligned
+from minipar.bench.timing import median, run_train
 from minipar.trainer.cli import parse_train_args
 from minipar.trainer.config import validate
 
@@ -39,23 +38,30 @@ def measure_layout(ranks, layout, steps, warmup, zero, train_args, folder) -> di
     bubbles = [r["pipeline"]["bubble_measured"] for r in records if r.get("pipeline")]
     return {
         "dp": dp, "pp": pp, "tp": tp,
-        "tokens_per_s": float(np.median([r["tokens_per_s"] for r in records])),
+        "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
         "model_states": last["mem"]["params"] + last["mem"]["grads"] + last["mem"]["optimizer"],
         "activations_peak": last["mem"]["activations_peak"],
         "dp_bytes": by_dim.get("dp", 0), "pp_bytes": by_dim.get("pp", 0), "tp_bytes": by_dim.get("tp", 0),
-        "bubble": float(np.median(bubbles)) if bubbles else None,
+        "bubble": median(bubbles) if bubbles else None,
     }
 
 
+COLUMNS = [  # (header, how to show a row's figure)
+    ("dp", lambda r: r["dp"]),
+    ("pp", lambda r: r["pp"]),
+    ("tp", lambda r: r["tp"]),
+    ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
+    ("model states B", lambda r: f"{r['model_states']:,}"),
+    ("activations B", lambda r: f"{r['activations_peak']:,}"),
+    ("dp B/step", lambda r: f"{r['dp_bytes']:,}"),
+    ("pp B/step", lambda r: f"{r['pp_bytes']:,}"),
+    ("tp B/step", lambda r: f"{r['tp_bytes']:,}"),
+    ("bubble", lambda r: "-" if r["bubble"] is None else f"{r['bubble']:.2f}"),
+]
+
+
 def render(rows: list[dict], header: str) -> str:
-    columns = ["dp", "pp", "tp", "tokens/s", "model states B", "activations B", "dp B/step", "pp B/step",
-               "tp B/step", "bubble"]
-    table = [columns] + [[str(r["dp"]), str(r["pp"]), str(r["tp"]), f"{r['tokens_per_s']:.0f}",
-                          f"{r['model_states']:,}", f"{r['activations_peak']:,}", f"{r['dp_bytes']:,}",
-                          f"{r['pp_bytes']:,}", f"{r['tp_bytes']:,}",
-                          "-" if r["bubble"] is None else f"{r['bubble']:.2f}"] for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
-    return "\n".join([header] + ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table])
+    return "\n".join([header] + right_aligned(rows, COLUMNS))
 
 
 def main(argv) -> int:

@@ -23,9 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
-from minipar.bench.dp import run_train
+from minipar.bench.table import right_aligned
+from minipar.bench.timing import median, run_train
 from minipar.memory.chunks import chunk_padding
 from minipar.parallel.zero_chunked import chunk_numel_for, tensor_sizes
 from minipar.trainer import build as hybrid
@@ -34,10 +33,6 @@ from minipar.trainer.cli import parse_train_args
 MiB = 2**20
 MESSAGES_ARGS = ["--precision", "fp64"]
 OFFLOAD_ARGS = ["--precision", "fp64", "--n-layer", "8", "--batch-size", "1", "--seq-len", "8"]
-
-
-def median(records: list[dict], key) -> float:
-    return float(np.median([key(r) for r in records[1:]]))
 
 
 def chunk_layout(train_args: list[str], ranks: int) -> tuple[int, int, int]:
@@ -56,14 +51,14 @@ def measure_messages(ranks: int, chunk_mbs: list[float], steps: int, folder: Pat
     rows = []
     for name, extra in runs:
         args = [*MESSAGES_ARGS, *extra, "--dp", str(ranks), "--steps", str(steps)]
-        records = run_train(ranks, args, folder / "messages.jsonl")
+        after_first = run_train(ranks, args, folder / "messages.jsonl")[1:]
         row = {"engine": name, "args": extra,
-               "messages": int(median(records, lambda r: r["comm"]["messages"])),
-               "sent_bytes": int(median(records, lambda r: r["comm"]["sent_bytes"])),
-               "buffers_peak": int(median(records, lambda r: r["mem"]["buffers_peak"])),
-               "buffer_allocations": int(median(records, lambda r: r["mem"]["buffer_allocations"])),
-               "buffer_sizes": int(median(records, lambda r: r["mem"]["buffer_sizes"])),
-               "step_s": median(records, lambda r: r["time_s"])}
+               "messages": int(median(after_first, lambda r: r["comm"]["messages"])),
+               "sent_bytes": int(median(after_first, lambda r: r["comm"]["sent_bytes"])),
+               "buffers_peak": int(median(after_first, lambda r: r["mem"]["buffers_peak"])),
+               "buffer_allocations": int(median(after_first, lambda r: r["mem"]["buffer_allocations"])),
+               "buffer_sizes": int(median(after_first, lambda r: r["mem"]["buffer_sizes"])),
+               "step_s": median(after_first, lambda r: r["time_s"])}
         if extra[0] != "--zero":
             row["chunk_numel"], row["chunks"], row["padding"] = chunk_layout(args, ranks)
         rows.append(row)
@@ -78,23 +73,18 @@ def measure_offload(budgets: list[float], steps: int, folder: Path) -> list[dict
                 args = [*OFFLOAD_ARGS, "--offload", tier, "--device-mem-mb", str(budget),
                         "--eviction", eviction, "--steps", str(steps)]
                 records = run_train(1, args, folder / "offload.jsonl")
+                after_first = records[1:]  # the first step records OPT's trace
                 held = sum(records[-1]["mem"]["by_tier"].values())  # after a step: the model states only
                 rows.append({
                     "tier": tier, "budget_mb": budget, "eviction": eviction,
                     "states_over_budget": held / (budget * MiB),
-                    "moved_bytes": int(median(records, lambda r: r["offload"]["moved_bytes"])),
-                    **{k: int(median(records, lambda r, k=k: r["offload"][k]))
+                    "moved_bytes": int(median(after_first, lambda r: r["offload"]["moved_bytes"])),
+                    **{k: int(median(after_first, lambda r, k=k: r["offload"][k]))
                        for k in ("fetches", "prefetches", "evictions")},
                     "device_peak_mb": max(r["mem"]["device_peak"] for r in records) / MiB,
-                    "step_s": median(records, lambda r: r["time_s"]),
+                    "step_s": median(after_first, lambda r: r["time_s"]),
                 })
     return rows
-
-
-def table(rows: list[dict], columns: list[tuple]) -> list[str]:
-    cells = [[header for header, _ in columns]] + [[str(show(r)) for _, show in columns] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    return ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in cells]
 
 
 MESSAGE_COLUMNS = [
@@ -125,8 +115,9 @@ OFFLOAD_COLUMNS = [
 def render(figures: dict) -> str:
     messages = f"minipar train {' '.join(MESSAGES_ARGS)} --dp {figures['ranks']} (the default GPT)"
     offload = f"minipar train {' '.join(OFFLOAD_ARGS)} --offload TIER --device-mem-mb B --eviction E"
-    return "\n".join([messages + ", medians after step 0"] + table(figures["messages"], MESSAGE_COLUMNS)
-                     + ["", offload + " (one rank)"] + table(figures["offload"], OFFLOAD_COLUMNS))
+    return "\n".join([messages + ", medians after step 0"]
+                     + right_aligned(figures["messages"], MESSAGE_COLUMNS)
+                     + ["", offload + " (one rank)"] + right_aligned(figures["offload"], OFFLOAD_COLUMNS))
 
 
 def main(argv) -> int:

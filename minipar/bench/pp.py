@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar.bench.dp import run_train
+from minipar.bench.table import right_aligned
+from minipar.bench.timing import median, run_train
 from minipar.trainer.cli import parse_train_args
 from minipar.trainer.config import validate
 
@@ -65,10 +66,6 @@ def measure(stages: int, microbatches: list[int], steps: int, warmup: int, repea
     return {"train_args": train_args, "stages": stages, "repeats": repeats, "rows": rows}
 
 
-def median(records: list[dict], key) -> float:
-    return float(np.median([key(r) for r in records]))
-
-
 def per_stage(values, scale: float = 1.0, digits: int = 2) -> str:
     return "/".join(f"{v * scale:.{digits}f}" for v in values)
 
@@ -88,14 +85,11 @@ COLUMNS = [  # (header, how to show a row's figure); "a/b" lists stage 0, stage 
 
 
 def render(figures: dict, warmup: int) -> str:
-    rows = [[header for header, _ in COLUMNS]]
-    rows += [[str(show(r)) for _, show in COLUMNS] for r in figures["rows"]]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     return "\n".join(
         [f"minipar train {' '.join(figures['train_args'])} --pp {figures['stages']}  (medians over "
          f"{figures['repeats']} interleaved runs, after {warmup} warm-up steps each; a shared machine)",
          "per-stage figures a/b: stage 0/stage 1; F and B ms/mb: compute per micro-batch"]
-        + ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows])
+        + right_aligned(figures["rows"], COLUMNS))
 
 
 def main(argv) -> int:

@@ -18,6 +18,9 @@ exact arithmetic unchanged, and so shows what the format alone does:
 
 Prints one table per experiment; `--plot FILE` also saves a PNG when matplotlib is installed.
 Lesson: lessons/09_precision.md.
+
+    python -m minipar bench precision [--steps 100] [--batch-size 256] [--divisor-log2 16] [--unit-log2 15]
+                                      [--seed 0] [--plot FILE] [--json]
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
-from minipar.bench.dp import run_train
+from minipar.bench.table import right_aligned
+from minipar.bench.timing import median, run_train
 from minipar.core.nn import Block
 from minipar.trainer.build import model_config
 from minipar.trainer.cli import parse_train_args
@@ -58,11 +57,11 @@ def measure(n: int, steps: int, warmup: int, repeats: int, train_args: list[str]
     formulas = block_formulas(cfg, n)
     rows = []
     for name, records in kept.items():
-        sent = int(np.median([r["comm"]["sent_bytes"] for r in records]))
-        messages = int(np.median([r["comm"]["messages"] for r in records]))
+        sent = int(median(records, lambda r: r["comm"]["sent_bytes"]))
+        messages = int(median(records, lambda r: r["comm"]["messages"]))
         rows.append({
             "layout": name if name == "single" else f"{name}={n}",
-            "tokens_per_s": float(np.median([r["tokens_per_s"] for r in records])),
+            "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
             "params_bytes": records[-1]["mem"]["params"],
             "sent_bytes_per_step": sent,
             "all_reduces_per_step": messages // (2 * (n - 1)) if name != "single" else 0,
@@ -87,12 +86,10 @@ COLUMNS = [
 
 
 def render(figures: dict, warmup: int) -> str:
-    table = [[h for h, _ in COLUMNS]] + [[str(show(r)) for _, show in COLUMNS] for r in figures["rows"]]
-    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
     return "\n".join(
         [f"minipar train {' '.join(figures['train_args']) or '(default options)'}   (rank 0's figures)",
          f"medians over {figures['repeats']} interleaved runs of each layout, after {warmup} warm-up steps"]
-        + ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+        + right_aligned(figures["rows"], COLUMNS)
         + ["sent B/block: one step with --n-layer L+1 minus one with L; formula: tp 4 x 2(N-1)/N x "
            "batch*seq*d_model values, dp 2(N-1)/N x the block's parameters"])
 

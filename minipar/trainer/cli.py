@@ -109,7 +109,7 @@ def cmd_schedule(argv) -> int:
 
 
 def cmd_bench(argv) -> int:
-    from minipar.bench import run as bench
+    from minipar.bench import registry as bench
 
     return bench.main(argv)
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from mpi_harness import mpi_given, mpi_test
 
 from minipar.bench import dp as data_bench
+from minipar.bench.timing import mpiexec
 from minipar.core import optim
 from minipar.core.nn import GPT, Parameter
 from minipar.dist.comm import ProcessGrid
@@ -81,7 +82,7 @@ def test_a_batch_that_dp_does_not_divide_is_a_clear_error():
 
 
 def test_bad_batch_size_ends_every_rank_with_one_line_and_exit_2():
-    command = [data_bench.mpiexec(), "-n", "2", sys.executable, "-m", "minipar", "train", "--batch-size", "7"]
+    command = [mpiexec(), "-n", "2", sys.executable, "-m", "minipar", "train", "--batch-size", "7"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "MPIEXEC_TIMEOUT": "60"})
     assert done.returncode == 2

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar.bench import run as bench
+from minipar.bench import autograd as bench
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 

@@ -1,65 +1,26 @@
-"""`python -m minipar bench NAME`: measured figures for the lessons, as medians and ratios.
+"""`python -m minipar bench autograd`: what recording a graph costs, against NumPy written by hand.
 
-Benchmarks live next to what they measure; this file is the registry and the autograd benchmark:
-one training step of an MLP through minipar's autograd against the same MLP's forward and backward
-written by hand in NumPy (the overhead of recording a graph), and one step of the default GPT.
-Times are medians of repeated runs; ratios are measured in one run, since machines are noisy.
-Lesson: lessons/01_autograd.md.
+One forward and backward of an MLP (Linear-GELU-...-Linear, summed squared error) through minipar's
+autograd, and the same computation written by hand in NumPy (hand_written_mlp_step, which
+tests/trainer/test_train_cli.py checks gives the same gradients), timed in alternating rounds: their
+medians and the median of the per-round ratios, the overhead. Also the median time of one training
+step of the default GPT (AdamW). Lesson: lessons/01_autograd.md.
+
+    python -m minipar bench autograd [--batch 256] [--width 512] [--layers 4] [--repeats 30] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import time
+import sys
 
 import numpy as np
 
+from minipar.bench.timing import median_seconds, paired_times
 from minipar.core import functional as F
 from minipar.core import nn, optim
 from minipar.trainer.tasks import AdditionTask
-
-BENCHES = {
-    "autograd": "minipar.bench.run:autograd_main",
-    "dp": "minipar.bench.dp:main",
-    "pp": "minipar.bench.pp:main",
-    "tp": "minipar.bench.tp:main",
-    "fusion": "minipar.bench.fusion:main",
-    "precision": "minipar.bench.precision:main",
-    "layouts": "minipar.bench.layouts:main",
-    "memory": "minipar.bench.memory:main",
-    "gpu": "minipar.bench.gpu:main",
-}
-QUICK = ("autograd", "dp", "pp", "tp", "fusion", "precision")  # what `bench all` runs (gpu needs a GPU)
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up: first-touch allocations and caches
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return float(np.median(times))
-
-
-def paired_times(first, second, repeats: int) -> tuple[float, float, float]:
-    """Median times of two functions run in alternation, and the median of their per-round ratios.
-
-    Alternating puts both under the same load from moment to moment, so on a busy machine the ratio
-    is far steadier than the quotient of two medians taken one after the other."""
-    first(), second()  # warm-up
-    rounds = []
-    for _ in range(repeats):
-        times = []
-        for fn in (first, second):
-            started = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - started)
-        rounds.append(times)
-    a, b = np.array(rounds).T
-    return float(np.median(a)), float(np.median(b)), float(np.median(b / a))
 
 
 def hand_written_mlp_step(weights, x, y):
@@ -108,18 +69,23 @@ def autograd_figures(batch: int, width: int, layers: int, repeats: int) -> dict:
         "hand_numpy_s": hand,
         "minipar_s": mine,
         "overhead_ratio": ratio,
-        "gpt_step_s": median_time(gpt_step, max(3, repeats // 4)),
+        "gpt_step_s": median_seconds(gpt_step, max(3, repeats // 4)),
     }
 
 
-def autograd_main(argv) -> int:
-    p = argparse.ArgumentParser(prog="minipar bench autograd")
+def main(argv) -> int:
+    p = argparse.ArgumentParser(prog="minipar bench autograd", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=30, help="alternating rounds timed (median)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    for name in ("batch", "width", "layers", "repeats"):
+        if getattr(args, name) < 1:
+            print(f"minipar bench autograd: error: --{name} must be a positive integer, got "
+                  f"{getattr(args, name)}", file=sys.stderr)
+            return 2
     r = autograd_figures(args.batch, args.width, args.layers, args.repeats)
     if args.json:
         print(json.dumps(r))
@@ -130,18 +96,4 @@ def autograd_main(argv) -> int:
     print(f"  minipar autograd     {r['minipar_s'] * 1e3:8.2f} ms")
     print(f"  overhead ratio       {r['overhead_ratio']:8.3f}x")
     print(f"GPT (default config) training step: {r['gpt_step_s'] * 1e3:.1f} ms")
-    return 0
-
-
-def main(argv) -> int:
-    if not argv or argv[0] not in (*BENCHES, "all"):
-        print(f"minipar bench: error: choose one of {', '.join(BENCHES)}, all")
-        return 2
-    names = QUICK if argv[0] == "all" else (argv[0],)
-    for name in names:
-        module, function = BENCHES[name].split(":")
-        print(f"== bench {name}", flush=True)
-        code = getattr(importlib.import_module(module), function)(argv[1:])
-        if code:
-            return code
     return 0

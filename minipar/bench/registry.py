@@ -1,0 +1,29 @@
+"""`python -m minipar bench NAME [options]`: every benchmark by name, and `bench all` for the quick ones.
+
+Each benchmark is a file of this package with a `main(argv) -> int`; its docstring says what it
+measures, which lesson quotes it and its options. Times are taken as minipar/bench/timing.py says.
+
+    python -m minipar bench {autograd,dp,pp,tp,fusion,precision,layouts,memory,gpu,all} [options]
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = ("autograd", "dp", "pp", "tp", "fusion", "precision", "layouts", "memory", "gpu")
+QUICK = ("autograd", "dp", "pp", "tp", "fusion", "precision")  # what `bench all` runs (gpu needs a GPU)
+
+
+def main(argv) -> int:
+    """Run the benchmark argv[0] (or each of QUICK for "all") with the options argv[1:]."""
+    if not argv or argv[0] not in (*BENCHES, "all"):
+        print(f"minipar bench: error: choose one of {', '.join(BENCHES)}, all", file=sys.stderr)
+        return 2
+    names = QUICK if argv[0] == "all" else (argv[0],)
+    for name in names:
+        print(f"== bench {name}", flush=True)
+        code = importlib.import_module(f"minipar.bench.{name}").main(argv[1:])
+        if code:
+            return code
+    return 0

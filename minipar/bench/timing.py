@@ -1,0 +1,99 @@
+"""How every benchmark takes its times: medians of repeated runs, ratios from alternating runs, and
+training runs under mpiexec, whose JSON-lines logs hold the per-step times.
+
+One way of timing for all of them, so that their figures can be set side by side:
+  warm-up   one untimed run first: first-touch allocations, caches, connection set-up and kernel
+            compilation are paid once, not counted in the figures.
+  median    of repeated runs, not their mean: a shared machine's interruptions only ever add time,
+            and the median ignores a few of them.
+  rounds    two or more things compared are timed in alternation, one of each per round, so that all
+            of them see the same load from moment to moment; a ratio is the median of the per-round
+            ratios, far steadier on a busy machine than the quotient of two medians taken one after
+            the other.
+  ranks     each process of an mpiexec run gets one BLAS thread: a rank stands for one device, and
+            ranks sharing cores with their own thread pools would measure oversubscription.
+Used by every file in minipar/bench; the lessons' examples launch their mpiexec jobs with mpiexec().
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+
+def nothing() -> None:
+    """The default `before` and `sync`: a CPU's work is done when its function returns."""
+
+
+def round_times(works: dict[str, Callable], repeats: int, sync: Callable = nothing,
+                before: Callable = nothing) -> dict[str, np.ndarray]:
+    """Seconds of each of `works` in each of `repeats` rounds, the works taking turns within a round,
+    after one untimed warm-up of each. `sync()` waits for work queued on a device (a GPU) and is timed
+    with it; `before()` runs untimed before each run (a barrier, so that all ranks start together)."""
+    for work in works.values():
+        work()
+        sync()
+    times = {name: [] for name in works}
+    for _ in range(repeats):
+        for name, work in works.items():
+            before()
+            started = time.perf_counter()
+            work()
+            sync()
+            times[name].append(time.perf_counter() - started)
+    return {name: np.array(seconds) for name, seconds in times.items()}
+
+
+def median_seconds(work: Callable, repeats: int, sync: Callable = nothing,
+                   before: Callable = nothing) -> float:
+    """Median seconds of work() over `repeats` runs, after one untimed warm-up."""
+    return float(np.median(round_times({"work": work}, repeats, sync, before)["work"]))
+
+
+def alternating_medians(works: dict[str, Callable], repeats: int) -> dict[str, float]:
+    """Median seconds of each of `works`, timed in alternating rounds (see round_times)."""
+    return {name: float(np.median(seconds)) for name, seconds in round_times(works, repeats).items()}
+
+
+def paired_times(first: Callable, second: Callable, repeats: int) -> tuple[float, float, float]:
+    """Median times of two functions run in alternation, and the median of their per-round ratios
+    second / first."""
+    times = round_times({"first": first, "second": second}, repeats)
+    a, b = times["first"], times["second"]
+    return float(np.median(a)), float(np.median(b)), float(np.median(b / a))
+
+
+def median(items, key: Callable = lambda item: item) -> float:
+    """The median of key(item) over items: of one figure across the records of a training log."""
+    return float(np.median([key(item) for item in items]))
+
+
+def mpiexec() -> str:
+    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def run_mpi(ranks: int, args: list[str]) -> str:
+    """Run `python ARGS` on `ranks` processes, one BLAS thread each, and return their standard output."""
+    command = [mpiexec(), "-n", str(ranks), sys.executable, *args]
+    env = {**os.environ, "MPIEXEC_TIMEOUT": os.environ.get("MPIEXEC_TIMEOUT", "600"),
+           **{name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def run_train(ranks: int, train_args: list[str], log: Path) -> list[dict]:
+    """Run `minipar train` on `ranks` processes and return rank 0's log records, one per step."""
+    run_mpi(ranks, ["-m", "minipar", "train", *train_args, "--quiet", "--log", str(log)])
+    return [json.loads(line) for line in log.read_text().splitlines()]

@@ -1,0 +1,57 @@
+"""`python -m minipar bench NAME`: every name runs its own file's main, a bad name is a one-line error,
+and the autograd benchmark reports what it measured. (Timings are not asserted: lesson 1's figures
+come from running the benchmark.)"""
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minipar.bench import autograd, registry
+
+TINY = ["--batch", "4", "--width", "8", "--layers", "2", "--repeats", "2"]
+
+
+@pytest.mark.parametrize("name", registry.BENCHES)
+def test_every_bench_is_a_file_of_the_package_with_a_main_and_a_docstring(name):
+    module = importlib.import_module(f"minipar.bench.{name}")
+    assert callable(module.main)
+    assert module.__doc__.startswith(f"`python -m minipar bench {name}`") and "lessons/" in module.__doc__
+
+
+def test_bench_all_runs_only_benches_that_exist_and_not_the_gpu_one():
+    assert set(registry.QUICK) < set(registry.BENCHES) and "gpu" not in registry.QUICK
+
+
+@pytest.mark.parametrize("argv", [[], ["nope"], ["--help"]])
+def test_an_unknown_bench_is_one_line_on_stderr_and_exit_2(argv):
+    done = subprocess.run([sys.executable, "-m", "minipar", "bench", *argv], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "choose one of autograd, dp, pp" in done.stderr
+
+
+def test_the_command_line_runs_the_named_bench_under_a_header(capsys):
+    assert registry.main(["autograd", *TINY, "--json"]) == 0
+    header, report = capsys.readouterr().out.splitlines()
+    assert header == "== bench autograd"
+    figures = json.loads(report)
+    assert figures["mlp"] == {"batch": 4, "width": 8, "layers": 2}
+    assert all(figures[k] > 0 for k in ("hand_numpy_s", "minipar_s", "overhead_ratio", "gpt_step_s"))
+
+
+def test_autograd_table_shows_both_times_and_their_ratio(capsys):
+    assert autograd.main(TINY) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "MLP 2 x 8, batch 4, fp64, forward+backward, median of 2 alternating rounds"
+    assert [line.split()[0] for line in lines[1:4]] == ["hand-written", "minipar", "overhead"]
+    assert lines[4].startswith("GPT (default config) training step: ") and lines[4].endswith(" ms")
+
+
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--width", "-1"], ["--layers", "0"]])
+def test_autograd_bad_numbers_exit_2_with_one_line(argv, capsys):
+    assert autograd.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "must be a positive integer" in err

@@ -1,0 +1,95 @@
+"""The shared timing helpers take times as their docstrings say: a warm-up left out, the works taking
+turns round by round, hooks where they belong, and a ratio that is the median of per-round ratios.
+
+The clock is a fake one that each work advances by a chosen number of seconds, so that every
+figure is known exactly and no test depends on the machine's load."""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from minipar.bench import timing
+
+
+class FakeClock:
+    """perf_counter() that moves only when a work says how long it took, and a log of the calls."""
+
+    def __init__(self):
+        self.now, self.calls = 0.0, []
+
+    def __call__(self):
+        return self.now
+
+    def work(self, name, seconds):
+        """A work that takes seconds[0], then seconds[1], ... (the first is the warm-up's)."""
+        durations = iter(seconds)
+
+        def run():
+            self.calls.append(name)
+            self.now += next(durations)
+        return run
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", fake)
+    return fake
+
+
+def test_the_works_take_turns_after_one_warm_up_of_each_which_is_not_counted(clock):
+    works = {"a": clock.work("a", [100, 1, 2, 3]), "b": clock.work("b", [100, 4, 5, 6])}
+    times = timing.round_times(works, repeats=3)
+    assert clock.calls == ["a", "b"] + ["a", "b"] * 3  # not a, a, a, b, b, b: both see the same load
+    assert times["a"].tolist() == [1, 2, 3] and times["b"].tolist() == [4, 5, 6]
+
+
+def test_sync_is_timed_with_the_work_and_before_is_not(clock):
+    def sync():  # device work that finishes only when waited for
+        clock.calls.append("sync")
+        clock.now += 10
+
+    def before():  # a barrier: waiting for the other ranks is not the work's time
+        clock.calls.append("before")
+        clock.now += 1000
+
+    seconds = timing.median_seconds(clock.work("w", [7, 1, 2, 3]), 3, sync=sync, before=before)
+    assert seconds == 12  # the median of 1, 2, 3 plus the sync's 10 each
+    assert clock.calls[:2] == ["w", "sync"]  # the warm-up waits for its device work too
+    assert clock.calls[2:] == ["before", "w", "sync"] * 3
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios_not_the_ratio_of_medians(clock):
+    first, second = clock.work("first", [0, 1, 2, 3]), clock.work("second", [0, 2, 2, 9])
+    a, b, ratio = timing.paired_times(first, second, repeats=3)
+    assert (a, b) == (2, 2)  # medians of 1, 2, 3 and of 2, 2, 9: their quotient would be 1
+    assert ratio == 2  # per round 2/1, 2/2, 9/3: median 2
+
+
+def test_alternating_medians_keeps_every_name(clock):
+    works = {"eager": clock.work("eager", [0, 5, 1, 3]), "fused": clock.work("fused", [0, 1, 1, 1])}
+    assert timing.alternating_medians(works, repeats=3) == {"eager": 3.0, "fused": 1.0}
+
+
+def test_median_of_a_figure_across_log_records():
+    records = [{"time_s": 3.0}, {"time_s": 1.0}, {"time_s": 100.0}, {"time_s": 2.0}]
+    assert timing.median(records, lambda r: r["time_s"]) == 2.5  # even count: mean of the middle two
+    assert timing.median([4, 1, 9]) == 4.0 and isinstance(timing.median([4, 1, 9]), float)
+
+
+def test_mpiexec_is_the_one_next_to_this_python():
+    assert Path(timing.mpiexec()) == Path(sys.executable).parent / "mpiexec"
+
+
+def test_run_train_returns_rank_0s_records_of_a_real_two_rank_run(tmp_path):
+    small = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--seq-len", "8", "--batch-size", "4"]
+    records = timing.run_train(2, [*small, "--dp", "2", "--steps", "3"], tmp_path / "log.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["comm"]["sent_bytes"] > 0 and r["time_s"] > 0 for r in records)  # dp = 2 sent gradients
+
+
+def test_a_failing_run_raises_with_its_command_and_error():
+    with pytest.raises(RuntimeError, match="--batch-size 7 is not divisible by dp=2"):
+        timing.run_mpi(2, ["-m", "minipar", "train", "--batch-size", "7"])
