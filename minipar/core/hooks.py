@@ -25,6 +25,12 @@ class RemovableHandle:
     def remove(self):
         self.hooks.discard(self.key)
 
+    def __eq__(self, other):
+        return isinstance(other, RemovableHandle) and (self.hooks, self.key) == (other.hooks, other.key)
+
+    def __hash__(self):
+        return hash(self.key)
+
     def __enter__(self):
         return self
 
@@ -45,6 +51,10 @@ class HookList:
 
     def discard(self, key: int):
         self._hooks.pop(key, None)
+
+    def handles(self) -> list[RemovableHandle]:
+        """A handle for each hook still in the list, in call order."""
+        return [RemovableHandle(self, key) for key in self._hooks]
 
     def __iter__(self):
         return iter(list(self._hooks.values()))  # a copy: a hook may remove itself (or others) when called
