@@ -64,8 +64,8 @@ def build_engine(cfg: TrainConfig, precision: str, scaler_options, loss_divisor:
     scaler = DynamicLossScaler(**scaler_options) if scaler_options is not None else None
     grid = ProcessGrid(Comm(MPI.COMM_SELF), 1, 1, 1)
     model = hybrid.build_model(cfg, grid)
-    runner, updater = mixed_precision.wrap_engine(cfg, model, hybrid.build_runner(cfg, grid, model),
-                                                  hybrid.build_updater(cfg, grid, model), grid.world, scaler)
+    updater = hybrid.build_updater(cfg, grid, model, scaler)
+    runner = mixed_precision.wrap_runner(cfg, model, hybrid.build_runner(cfg, grid, model), updater.optimizer)
     return LargerBatchEngine(cfg, grid, model, runner, updater, loss_divisor)
 
 

@@ -16,29 +16,35 @@ from __future__ import annotations
 import contextlib
 
 from minipar.core.backend import xp_of
+from minipar.core.hooks import HookList, RemovableHandle
 
 _grad_enabled = True
 _output_cast = None  # set by mixed precision: rounds every op's output and input-gradient
 
 
 class ActivationMeter:
-    """Bytes of tensors saved for backward: current and peak since the last reset."""
+    """Bytes of tensors saved for backward: current and peak since the last reset.
+
+    Anyone may listen (a memory ledger, an offloading store that must make room first): autograd
+    itself knows nothing of them. Listeners get the new current bytes after every change, in order."""
 
     def __init__(self):
         self.current = 0
         self.peak = 0
-        self.on_change = None  # a memory ledger may listen (autograd itself knows nothing of it)
+        self.listeners = HookList()
+
+    def subscribe(self, listener, first: bool = False) -> RemovableHandle:
+        """Call `listener(current_bytes)` on every change; `first=True` puts it ahead of the others."""
+        return self.listeners.add(listener, first)
 
     def add(self, nbytes: int):
         self.current += nbytes
         self.peak = max(self.peak, self.current)
-        if self.on_change:
-            self.on_change(self.current)
+        self.listeners.call_all(self.current)
 
     def release(self, nbytes: int):
         self.current -= nbytes
-        if self.on_change:
-            self.on_change(self.current)
+        self.listeners.call_all(self.current)
 
     def reset_peak(self):
         self.peak = self.current
@@ -128,70 +134,75 @@ class Tensor:
                     pg = _output_cast(pg) if _output_cast is not None else pg
                 grads[id(parent)] = pg
 
-    # Operators map onto minipar.core.functional (imported lazily: functional builds on this module).
+    # Operators call the differentiable functions of minipar.core.functional through `_operators`
+    # (functional registers them: it builds on this module, so this module cannot import it).
     def __add__(self, other):
-        return _F().add(self, other)
+        return _operators["add"](self, other)
 
     def __radd__(self, other):
-        return _F().add(other, self)
+        return _operators["add"](other, self)
 
     def __sub__(self, other):
-        return _F().sub(self, other)
+        return _operators["sub"](self, other)
 
     def __rsub__(self, other):
-        return _F().sub(other, self)
+        return _operators["sub"](other, self)
 
     def __mul__(self, other):
-        return _F().mul(self, other)
+        return _operators["mul"](self, other)
 
     def __rmul__(self, other):
-        return _F().mul(other, self)
+        return _operators["mul"](other, self)
 
     def __truediv__(self, other):
-        return _F().div(self, other)
+        return _operators["div"](self, other)
 
     def __rtruediv__(self, other):
-        return _F().div(other, self)
+        return _operators["div"](other, self)
 
     def __neg__(self):
-        return _F().neg(self)
+        return _operators["neg"](self)
 
     def __pow__(self, exponent):
-        return _F().pow(self, exponent)
+        return _operators["pow"](self, exponent)
 
     def __matmul__(self, other):
-        return _F().matmul(self, other)
+        return _operators["matmul"](self, other)
 
     def __rmatmul__(self, other):
-        return _F().matmul(other, self)
+        return _operators["matmul"](other, self)
 
     def __getitem__(self, index):
-        return _F().getitem(self, index)
+        return _operators["getitem"](self, index)
 
     def sum(self, axis=None, keepdims=False):
-        return _F().sum(self, axis, keepdims)
+        return _operators["sum"](self, axis, keepdims)
 
     def mean(self, axis=None, keepdims=False):
-        return _F().mean(self, axis, keepdims)
+        return _operators["mean"](self, axis, keepdims)
 
     def max(self, axis=None, keepdims=False):
-        return _F().max(self, axis, keepdims)
+        return _operators["max"](self, axis, keepdims)
 
     def reshape(self, *shape):
-        return _F().reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        return _operators["reshape"](self, shape)
 
     def transpose(self, *axes):
-        return _F().transpose(self, axes if axes else None)
+        return _operators["transpose"](self, axes if axes else None)
 
     @property
     def T(self):
-        return _F().transpose(self, None)
+        return _operators["transpose"](self, None)
 
 
-def _F():
-    from minipar.core import functional
+_operators: dict = {}  # name -> differentiable function, filled by register_tensor_operators
 
-    return functional
+
+def register_tensor_operators(**functions):
+    """Give Tensor's operators (`+`, `@`, `.sum()`...) the functions they call. minipar.core.functional
+    does it when imported, and importing minipar.core imports it, so the table is always filled."""
+    _operators.update(functions)
 
 
 def _topological_order(root: Tensor) -> list[Tensor]:

@@ -9,6 +9,7 @@ layer_ops.py   what layers need: gelu, softmax, log_softmax, cross_entropy, mse_
 Lesson: lessons/01_autograd.md.
 """
 
+from minipar.core.autograd import register_tensor_operators
 from minipar.core.layer_ops import (  # noqa: F401
     GELU,
     GELU_C,
@@ -71,3 +72,9 @@ from minipar.core.tensor_ops import (  # noqa: F401
     tanh,
     unbroadcast,
 )
+
+# Tensor's operators (`t + u`, `t @ w`, `t.sum()`, `t[i]`...) are these functions: autograd.py defines
+# Tensor below this module, so it is given them here rather than importing them.
+register_tensor_operators(add=add, sub=sub, mul=mul, div=div, neg=neg, pow=pow, matmul=matmul,
+                          getitem=getitem, sum=sum, mean=mean, max=max, reshape=reshape,
+                          transpose=transpose)

@@ -3,7 +3,14 @@
 Names and methods follow torch.nn.Module (`named_parameters`, `state_dict`, `zero_grad`, `train`).
 Initial weights depend only on (seed, parameter name): each parameter is drawn on its full shape from a
 generator seeded by both, then cut to the shard this rank holds (`Parameter.shard`), so every parallel
-layout starts from the same model. Lesson: lessons/01_autograd.md.
+layout starts from the same model.
+
+Hooks, with PyTorch's names, let techniques act around a module's forward and backward without
+touching its methods: forward pre-hooks and forward hooks around `forward`, and two backward hooks
+made of an identity autograd Function (`BackwardHook`) placed on the module's output (the gradient
+arrives: its backward is about to run) and on its input (the gradient leaves: its backward is done).
+ZeRO-3 gathers a unit's parameters in the first and ZeRO-2 reduce-scatters its gradients in the second.
+Lesson: lessons/01_autograd.md.
 """
 
 from __future__ import annotations
@@ -13,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minipar.core.autograd import Tensor
+from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import current as current_backend
+from minipar.core.hooks import HookList, RemovableHandle
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,20 @@ def shard_of(full: np.ndarray, shard: Shard | None) -> np.ndarray:
     return full[tuple(index)]
 
 
+class BackwardHook(Function):
+    """Identity in forward; calls `hook()` when the gradient passes back through, in backward."""
+
+    @staticmethod
+    def forward(ctx, x, hook):
+        ctx.hook = hook
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hook()
+        return grad, None
+
+
 class Module:
     """Holds parameters and submodules in attribute order, like torch.nn.Module."""
 
@@ -72,6 +94,8 @@ class Module:
         object.__setattr__(self, "_children", {})
         object.__setattr__(self, "_params", {})
         object.__setattr__(self, "training", True)
+        for hooks in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+            object.__setattr__(self, hooks, HookList())
 
     def __setattr__(self, name, value):
         if isinstance(value, Parameter):
@@ -85,7 +109,54 @@ class Module:
         self._children[name] = module
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        """`forward`, with the hooks around it: forward pre-hooks, the input's backward hook, forward,
+        forward hooks, the output's backward hook (PyTorch's order)."""
+        for hook in self._forward_pre_hooks:
+            replaced = hook(self, args)
+            if replaced is not None:
+                args = replaced if isinstance(replaced, tuple) else (replaced,)
+        if self._backward_hooks:
+            args = self._hook_first_grad_input(args)
+        output = self.forward(*args, **kwargs)
+        for hook in self._forward_hooks:
+            replaced = hook(self, args, output)
+            if replaced is not None:
+                output = replaced
+        if self._backward_pre_hooks and isinstance(output, Tensor) and output.requires_grad:
+            output = BackwardHook.apply(output, lambda: self._backward_pre_hooks.call_all(self))
+        return output
+
+    def _hook_first_grad_input(self, args: tuple) -> tuple:
+        """Put the full backward hooks on the first positional Tensor that requires grad."""
+        for i, x in enumerate(args):
+            if isinstance(x, Tensor) and x.requires_grad:
+                hooked = BackwardHook.apply(x, lambda: self._backward_hooks.call_all(self))
+                return (*args[:i], hooked, *args[i + 1:])
+        return args
+
+    # ---- hooks: each returns a RemovableHandle; hooks of one kind run in registration order ----
+    def register_forward_pre_hook(self, hook) -> RemovableHandle:
+        """`hook(module, args)` before every forward; a non-None result replaces the positional
+        arguments (a tuple, or a single value). Keyword arguments are not shown to it."""
+        return self._forward_pre_hooks.add(hook)
+
+    def register_forward_hook(self, hook) -> RemovableHandle:
+        """`hook(module, args, output)` after every forward; a non-None result replaces the output."""
+        return self._forward_hooks.add(hook)
+
+    def register_full_backward_pre_hook(self, hook) -> RemovableHandle:
+        """`hook(module)` when the gradient reaches the module's output, before any of its backward
+        operations run (none of its parameters has this backward's gradient yet). Unlike PyTorch's,
+        it is not shown the gradient and cannot replace it. Only a Tensor output is hooked."""
+        return self._backward_pre_hooks.add(hook)
+
+    def register_full_backward_hook(self, hook) -> RemovableHandle:
+        """`hook(module)` once backward has gone through all of the module's operations: when the
+        gradient reaches its first positional Tensor input that requires grad (autograd accumulates a
+        leaf's gradient at once, so every parameter used on that input has its gradient by then).
+        Unlike PyTorch's, it is shown no gradients. It does NOT fire when no input requires grad
+        (token ids into an embedding): whoever relies on it must catch that case (ZeRO's step does)."""
+        return self._backward_hooks.add(hook)
 
     def named_parameters(self, prefix: str = ""):
         for name, p in self._params.items():

@@ -60,10 +60,13 @@ class Optimizer:
 
 
 class AdamW(Optimizer):
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 update_rule=adamw_update):
+        """`update_rule`: a function with adamw_update's signature doing the same arithmetic
+        (`train --fused` passes minipar.fusion.training.adamw_update, three fused kernels)."""
         super().__init__(params)
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.update_rule = adamw_update  # `train --fused` swaps in minipar.fusion.adamw_update
+        self.update_rule = update_rule
 
     def init_state(self, n, dtype, xp):
         return {"exp_avg": xp.zeros(n, dtype=dtype), "exp_avg_sq": xp.zeros(n, dtype=dtype), "step": 0}
@@ -72,7 +75,7 @@ class AdamW(Optimizer):
         """One step for one flat buffer (a whole parameter, or a ZeRO shard) and its state."""
         state["step"] += 1
         self.update_rule(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], self.lr,
-                     self.betas[0], self.betas[1], self.eps, self.weight_decay)
+                         self.betas[0], self.betas[1], self.eps, self.weight_decay)
 
 
 class SGD(Optimizer):

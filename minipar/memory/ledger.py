@@ -5,14 +5,19 @@ and residual states (activations, buffers: temporary copies such as the paramete
 compute). Tiers are where the bytes live: device, cpu or disk (offload). Engines `set` what they hold;
 activations come live from the autograd engine's meter, so the peak is the true high-water mark of the
 step, not a sum of separate peaks. Temporary buffers that come and go within a step (ZeRO-3's gathered
-parameters, a gradient bucket) come live the same way, from `buffer_meter`. Lesson: lessons/04_zero.md.
+parameters, a gradient bucket) come live the same way, from `buffer_meter`. A ledger subscribes to
+the three meters when made and unsubscribes on `close()` (or at the end of a `with` block, or when it is
+garbage collected): any number of ledgers may listen, none displaces another.
+Lesson: lessons/04_zero.md.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 from minipar.core import autograd
+from minipar.core.hooks import HookList, RemovableHandle
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 TIERS = ("device", "cpu", "disk")
@@ -27,11 +32,14 @@ class TierMeter:
     tiers during a step (memory/offload.py): the ledger listens, so its peaks include every move."""
 
     def __init__(self):
-        self.on_change = None
+        self.listeners = HookList()
+
+    def subscribe(self, listener, first: bool = False) -> RemovableHandle:
+        """Call `listener(category, nbytes, tier)` on every `set`, in order (`first`: ahead of the others)."""
+        return self.listeners.add(listener, first)
 
     def set(self, category: str, nbytes: int, tier: str):
-        if self.on_change:
-            self.on_change(category, nbytes, tier)
+        self.listeners.call_all(category, nbytes, tier)
 
 
 tier_meter = TierMeter()
@@ -44,9 +52,20 @@ class MemoryLedger:
         self.held_peak = dict.fromkeys(CATEGORIES, 0)  # of each category summed over the tiers
         self.device_peak = 0
         self.buffer_sizes = Counter()  # size -> temporary buffers allocated this window (fragmentation)
-        autograd.activation_meter.on_change = self._activations_changed
-        buffer_meter.on_change = self._buffers_changed
-        tier_meter.on_change = self.set
+        self.subscriptions = [listen_weakly(autograd.activation_meter, self._activations_changed),
+                              listen_weakly(buffer_meter, self._buffers_changed),
+                              listen_weakly(tier_meter, self.set)]
+        weakref.finalize(self, close_all, list(self.subscriptions))  # a ledger dropped unclosed leaves too
+
+    def close(self):
+        """Stop listening to the meters: what the ledger holds stays readable, but it records no more."""
+        close_all(self.subscriptions)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
 
     def set(self, category: str, nbytes: int, tier: str = "device"):
         """Record that this rank now holds `nbytes` of `category` in `tier`."""
@@ -95,3 +114,20 @@ class MemoryLedger:
             "device_peak": self.device_peak,
             "by_tier": {t: sum(self.current[(c, t)] for c in CATEGORIES) for t in TIERS},
         }
+
+
+def listen_weakly(meter, method) -> RemovableHandle:
+    """Subscribe a bound method of a ledger without keeping the ledger alive (the meters are global)."""
+    method = weakref.WeakMethod(method)
+
+    def listener(*args):
+        alive = method()
+        if alive is not None:
+            alive(*args)
+
+    return meter.subscribe(listener)
+
+
+def close_all(handles):
+    for handle in handles:
+        handle.remove()

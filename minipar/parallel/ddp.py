@@ -21,10 +21,8 @@ Lesson: lessons/03_data_parallel.md.
 
 from __future__ import annotations
 
-import zlib
-
-from minipar.core import backend
 from minipar.core.backend import xp_of
+from minipar.parallel.flat_units import check_replicas_identical, unflatten
 from minipar.trainer.engine import LocalUpdater
 
 MiB = 2**20
@@ -51,36 +49,6 @@ def plan_buckets(params, bucket_bytes: int) -> list[list]:
 def flatten(arrays):
     """One contiguous 1-D array holding the arrays one after another."""
     return xp_of(arrays[0]).concatenate([a.reshape(-1) for a in arrays])
-
-
-def unflatten(flat, shapes) -> list:
-    """Views into `flat`, one per shape, in order (the inverse of flatten; no copy)."""
-    views, offset = [], 0
-    for shape in shapes:
-        size = 1
-        for n in shape:
-            size *= n
-        views.append(flat[offset : offset + size].reshape(shape))
-        offset += size
-    return views
-
-
-def replica_fingerprint(model) -> list[tuple]:
-    """(name, shape, CRC-32 of the bytes) of every parameter: equal fingerprints, equal weights."""
-    to_host = backend.current().to_host
-    return [(name, tuple(p.shape), zlib.crc32(to_host(p.data).tobytes()))
-            for name, p in model.named_parameters()]
-
-
-def check_replicas_identical(model, comm) -> None:
-    """Raise on every rank of `comm` if any replica's weights differ from rank 0's."""
-    every = comm.allgather_obj(replica_fingerprint(model))
-    for rank, theirs in enumerate(every[1:], start=1):
-        differing = [a[0] for a, b in zip(every[0], theirs) if a != b]
-        if differing or len(theirs) != len(every[0]):
-            shown = ", ".join(differing[:3]) or "the parameter list"
-            raise RuntimeError(f"data-parallel replicas start from different weights: dp rank {rank} differs "
-                               f"from dp rank 0 in {shown}{' ...' if len(differing) > 3 else ''}")
 
 
 class DistributedDataParallel(LocalUpdater):

@@ -2,13 +2,15 @@
 
 The idea (Rajbhandari et al., "ZeRO", 2020): N data-parallel ranks need not each keep every byte.
 Each unit of the model (`model.units()`: the embedding, a block, the head) keeps its parameters in
-one flat buffer, padded to a multiple of N and cut into N equal shards; rank r owns shard r.
+one flat buffer, padded to a multiple of N and cut into N equal shards; rank r owns shard r
+(flat_units.py).
 
     stage 1  partitions the optimizer states. After backward the gradients are reduce-scattered, so
              each rank gets the summed gradient of its own shard, updates that shard of the flat
              parameters with its shard of Adam's moments, and the new shards are all-gathered.
     stage 2  also partitions the gradients. A unit's gradients are reduce-scattered as soon as backward
-             is through with the unit, and only this rank's shard of them is kept.
+             is through with the unit (a full backward hook on the unit, module.py), and only this
+             rank's shard of them is kept.
     stage 3  also partitions the parameters (zero3.py).
 
 What it saves: model-state bytes per rank, with Ψ parameters, p and g bytes per parameter and
@@ -23,98 +25,9 @@ Lesson: lessons/04_zero.md.
 from __future__ import annotations
 
 from minipar.core import autograd
-from minipar.core.autograd import Function, Tensor
-from minipar.core.backend import xp_of
 from minipar.memory.ledger import buffer_meter
-from minipar.parallel.ddp import check_replicas_identical, unflatten
+from minipar.parallel.flat_units import check_replicas_identical, units_of
 from minipar.parallel.logical_state import flat_unit_buffer, flat_unit_pieces
-
-
-def padded_numel(numel: int, parts: int) -> int:
-    """The smallest multiple of `parts` that holds `numel` elements: every shard the same size."""
-    return -(-numel // parts) * parts
-
-
-class FlatUnit:
-    """One unit's parameters seen as a flat buffer of `padded` elements, of which this rank owns
-    [start, stop). The padding past `numel` stays zero: zero gradients leave it zero under Adam and SGD.
-    The updaters add what each stage keeps: `flat` (the whole buffer, while it exists), `param_shard`,
-    `state` (the optimizer's, for the shard) and, from stage 2, `grad_shard`."""
-
-    def __init__(self, module, named_params: list, comm):
-        self.module = module
-        self.names = [name for name, _ in named_params]
-        self.params = [p for _, p in named_params]
-        self.shapes = [p.shape for p in self.params]
-        self.dtype = self.params[0].dtype
-        self.xp = xp_of(self.params[0].data)
-        self.numel = sum(p.size for p in self.params)
-        self.padded = padded_numel(self.numel, comm.size)
-        shard = self.padded // comm.size
-        self.start, self.stop = comm.rank * shard, (comm.rank + 1) * shard
-        self.shard_numel = shard
-
-    def flatten(self, arrays):
-        """The arrays one after another in a new zero-padded flat buffer (None counts as zeros)."""
-        flat = self.xp.zeros(self.padded, dtype=self.dtype)
-        for view, a in zip(unflatten(flat, self.shapes), arrays):
-            if a is not None:
-                view[...] = a
-        return flat
-
-    def grads_nbytes(self) -> int:
-        return sum(p.grad.nbytes for p in self.params if p.grad is not None)
-
-    def has_grads(self) -> bool:
-        return any(p.grad is not None for p in self.params)
-
-    def point_params_at(self, flat):
-        """Make every parameter's data a view into `flat`, so the model computes with its values."""
-        for p, view in zip(self.params, unflatten(flat, self.shapes)):
-            p.data = view
-
-
-def units_of(model, comm) -> list[FlatUnit]:
-    """A FlatUnit per unit of the model, in execution order; every parameter must be in one."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    units = [FlatUnit(module, [(names[id(p)], p) for p in module.parameters()], comm)
-             for _, module in model.units() if module.parameters()]
-    covered = {id(p) for unit in units for p in unit.params}
-    missing = [name for i, name in names.items() if i not in covered]
-    if missing:
-        raise ValueError(f"ZeRO shards parameters unit by unit, and {missing[0]} is in no unit of the model")
-    return units
-
-
-class BackwardHook(Function):
-    """Identity in forward; calls `hook()` when the gradient passes back through, in backward."""
-
-    @staticmethod
-    def forward(ctx, x, hook):
-        ctx.hook = hook
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.hook()
-        return grad, None
-
-
-def after_backward_of(module, hook):
-    """Run `hook()` each time backward has gone through all of `module`'s operations.
-
-    A hook on the module's input fires after everything computed from that input, and so after
-    every gradient of the module's parameters (autograd accumulates a leaf's gradient at once). The
-    first unit's input (token ids) carries no gradient, so no hook fires there: the step catches it.
-    """
-    forward = module.forward
-
-    def forward_with_hook(x, *args, **kwargs):
-        if isinstance(x, Tensor) and x.requires_grad:
-            x = BackwardHook.apply(x, hook)
-        return forward(x, *args, **kwargs)
-
-    module.forward = forward_with_hook
 
 
 class ZeroStage1:
@@ -186,12 +99,20 @@ class ZeroStage2(ZeroStage1):
 
     def __init__(self, model, optimizer, comm):
         super().__init__(model, optimizer, comm)
+        self.hooks = []  # the handles of the hooks on the model's units (removing them detaches the engine)
         for unit in self.units:
             unit.grad_shard = unit.xp.zeros(unit.shard_numel, dtype=unit.dtype)
             self.hook_unit(unit)
 
     def hook_unit(self, unit):
-        after_backward_of(unit.module, lambda: self.reduce_scatter_grads(unit))
+        """Reduce-scatter the unit's gradients once backward has gone through it. The hook sits on the
+        unit's input, so it never fires for the first unit (token ids need no gradient): the step
+        sends those (reduce_scatter_pending_grads)."""
+
+        def reduce_scatter(module):
+            self.reduce_scatter_grads(unit)
+
+        self.hooks.append(unit.module.register_full_backward_hook(reduce_scatter))
 
     def reduce_scatter_grads(self, unit):
         """Add this rank's shard of the unit's summed gradients to its grad_shard; drop the full ones."""

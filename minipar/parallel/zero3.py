@@ -2,11 +2,13 @@
 
 The idea: each rank keeps only its shard of every unit's flat parameters (zero.py explains the flat
 buffers and stages 1 and 2). Just before a unit's forward its parameters are all-gathered, and they
-are freed as soon as the forward is done. Backward gathers them again before the unit's backward
-operations (a hook on the unit's output) and, once backward is through the unit (a hook on its
-input), reduce-scatters the unit's gradients and frees the parameters again. The autograd Functions
-read a weight through `ctx.inputs` at backward time, never a copy, which is what makes freeing it in
-between possible. At most one unit is whole at a time: the memory ledger counts it as "buffers".
+are freed as soon as the forward is done (a forward pre-hook and a forward hook on the unit).
+Backward gathers them again before the unit's backward operations (a backward pre-hook: the gradient
+reached the unit's output) and, once backward is through the unit (stage 2's full backward hook: the
+gradient reached its input), reduce-scatters the unit's gradients and frees the parameters again.
+The autograd Functions read a weight through `ctx.inputs` at backward time, never a copy, which is
+what makes freeing it in between possible. At most one unit is whole at a time: the memory ledger
+counts it as "buffers".
 
 What it saves: all model states shrink with N: (p+g+K)Ψ/N bytes per rank.
 What it costs: 1.5x DDP's communication. Each step gathers every unit's parameters twice (forward and
@@ -18,8 +20,8 @@ from __future__ import annotations
 
 from minipar.core.backend import current as current_backend
 from minipar.memory.ledger import buffer_meter
-from minipar.parallel.ddp import unflatten
-from minipar.parallel.zero import BackwardHook, ZeroStage2
+from minipar.parallel.flat_units import unflatten
+from minipar.parallel.zero import ZeroStage2
 
 
 class ZeroStage3(ZeroStage2):
@@ -34,16 +36,22 @@ class ZeroStage3(ZeroStage2):
             self.release_params(unit)  # ... and go at once
 
     def hook_unit(self, unit):
+        """Whole parameters for the unit's forward only, and again for its backward."""
         super().hook_unit(unit)  # stage 2's: reduce-scatter the gradients as backward leaves the unit
-        forward = unit.module.forward
 
-        def forward_with_gathered_params(*args, **kwargs):
+        def gather_for_forward(module, args):
             self.gather_params(unit)
-            output = forward(*args, **kwargs)
-            self.release_params(unit)
-            return BackwardHook.apply(output, lambda: self.gather_params(unit))  # backward needs them
 
-        unit.module.forward = forward_with_gathered_params
+        def release_after_forward(module, args, output):
+            self.release_params(unit)
+
+        def gather_for_backward(module):  # the backward operations read the weights again
+            self.gather_params(unit)
+
+        module = unit.module
+        self.hooks += [module.register_forward_pre_hook(gather_for_forward),
+                       module.register_forward_hook(release_after_forward),
+                       module.register_full_backward_pre_hook(gather_for_backward)]
 
     def gather_params(self, unit):
         """Make the unit's parameters whole: all-gather every rank's shard into a new flat buffer."""

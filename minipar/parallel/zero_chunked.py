@@ -4,7 +4,8 @@ The idea: zero3.py gathers one flat buffer per unit of the model. Here the buffe
 chunks (memory/chunks.py), packed with the parameters in execution order. A chunk is all-gathered
 once before the first of its tensors is used and released after its last unit's forward; backward
 gathers it again, writes each unit's gradients into it in place of the parameters as the unit's
-backward ends, and reduce-scatters it as one message once every tensor in it is READY_FOR_REDUCE.
+backward ends, and reduce-scatters it as one message once every tensor in it is READY_FOR_REDUCE
+(each of these moments is a hook on the unit: module.py).
 What a rank keeps of a chunk between uses, its shard of the parameters, of the gradients and of each
 optimizer state, are blocks of a TieredStore (memory/offload.py): on the device while the budget
 `--device-mem-mb` allows, else in CPU memory or on disk (`--offload`), each fetched when used: a
@@ -23,13 +24,13 @@ import weakref
 
 from minipar.core import autograd
 from minipar.core.backend import current as current_backend
+from minipar.core.hooks import RemovableHandle
 from minipar.core.nn import shard_of
 from minipar.memory.chunks import TensorState, pack_in_chunks, search_chunk_size
 from minipar.memory.ledger import buffer_meter, tier_meter
 from minipar.memory.offload import MiB, TieredStore
-from minipar.parallel.ddp import check_replicas_identical
+from minipar.parallel.flat_units import check_replicas_identical, units_of
 from minipar.parallel.logical_state import flat_pieces
-from minipar.parallel.zero import BackwardHook, after_backward_of, units_of
 
 S = TensorState
 
@@ -65,9 +66,10 @@ class ChunkedZero3:
         for chunk in self.chunks:
             for tensor in chunk.tensors:
                 tensor.param.data = self.freed
+        self.hooks = []  # the handles of the hooks on the model's units (removing them detaches the engine)
         for i, unit in enumerate(self.units):
             self.hook_unit(i, unit)
-        relieve_when_activations_grow(self.store)
+        self.relief = relieve_when_activations_grow(self.store)  # its handle: `.remove()` stops it
 
     # ---- the chunks of a unit ----
     def chunks_of(self, unit: int) -> list:
@@ -77,18 +79,27 @@ class ChunkedZero3:
         return [(chunk, t) for chunk in self.chunks_of(unit) for t in chunk.tensors_of(unit)]
 
     def hook_unit(self, i: int, unit):
-        after_backward_of(unit.module, lambda: self.end_backward(i))  # on the unit's input
-        forward = unit.module.forward
+        """The unit's chunks gathered for its forward and its backward; its gradients into them after."""
 
-        def forward_in_chunks(*args, **kwargs):
+        def start_forward(module, args):
             if i == 0:
                 self.finish_backward()  # the previous micro-batch's first unit: no input hook caught it
             self.start_unit(i)
-            output = forward(*args, **kwargs)
-            self.end_forward(i)
-            return BackwardHook.apply(output, lambda: self.start_unit(i))  # backward needs them back
 
-        unit.module.forward = forward_in_chunks
+        def finish_forward(module, args, output):
+            self.end_forward(i)
+
+        def start_backward(module):  # the gradient reached the unit's output: backward needs them back
+            self.start_unit(i)
+
+        def finish_backward(module):  # the gradient reached the unit's input: its gradients are done
+            self.end_backward(i)
+
+        module = unit.module
+        self.hooks += [module.register_forward_pre_hook(start_forward),
+                       module.register_forward_hook(finish_forward),
+                       module.register_full_backward_pre_hook(start_backward),
+                       module.register_full_backward_hook(finish_backward)]
 
     def start_unit(self, i: int):
         """Gather the unit's chunks (those not gathered yet) and mark its tensors COMPUTE."""
@@ -207,19 +218,20 @@ class ChunkedZero3:
         return state
 
 
-def relieve_when_activations_grow(store):
+def relieve_when_activations_grow(store) -> RemovableHandle:
     """Activations share the device budget: as they grow during a step, the store evicts blocks first
-    (the memory ledger listens to the same meter, after it, so it never sees the budget exceeded).
-    The listener holds the store weakly: it does nothing once the engine is gone."""
-    previous, store = autograd.activation_meter.on_change, weakref.ref(store)
+    (ahead of every other listener of the meter, so the memory ledger never sees the budget exceeded).
+    The listener holds the store weakly, and leaves the meter once the store (the engine) is gone."""
+    store_ref = weakref.ref(store)
 
-    def relieve_then_record(nbytes):
-        if store() is not None:
-            store().relieve()
-        if previous:
-            previous(nbytes)
+    def relieve(nbytes):
+        alive = store_ref()
+        if alive is not None:
+            alive.relieve()
 
-    autograd.activation_meter.on_change = relieve_then_record
+    handle = autograd.activation_meter.subscribe(relieve, first=True)
+    weakref.finalize(store, handle.remove)
+    return handle
 
 
 # ---- sizes and up-front checks ----

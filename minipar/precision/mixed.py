@@ -1,6 +1,6 @@
 """Mixed-precision training: fp32 master weights, bf16 or fp16 arithmetic, and loss scaling for fp16.
 
-The idea (Micikevicius et al., "Mixed Precision Training", 2018), as three wrappers around an engine:
+The idea (Micikevicius et al., "Mixed Precision Training", 2018), as three pieces of an engine:
 - `MixedPrecisionRunner` keeps the fp32 weights as the *master* copy. For forward and backward it
   hands the model a 16-bit working copy (every weight rounded), and rounds every op's output and every
   gradient flowing back (`autograd.cast_outputs`). Gradients still accumulate into fp32 `.grad` arrays,
@@ -120,19 +120,29 @@ def gradient_all_reduce(precision: str, comm):
     return all_reduce
 
 
-def wrap_engine(cfg, model, runner, updater, world, scaler: DynamicLossScaler | None = None):
-    """(runner, updater) for `cfg.precision`: unchanged for fp64/fp32, mixed precision for bf16/fp16.
+def loss_scaling_optimizer(cfg, optimizer, world, scaler: DynamicLossScaler | None = None):
+    """The optimizer to build the updater with: a `LossScalingOptimizer` around `optimizer` for fp16
+    (unless `cfg.loss_scaling` is off), else `optimizer` itself.
 
-    fp16 gets a dynamic loss scaler (unless `cfg.loss_scaling` is off): `scaler` if given, else one
-    with PyTorch's defaults whose overflow verdict is shared over `world`. The updater's optimizer is
-    wrapped in place, so whatever syncs the gradients before it steps (DDP) syncs the scaled ones,
-    as PyTorch's DDP does.
+    The scaler is `scaler` if given, else one with PyTorch's defaults whose overflow verdict is shared
+    over `world`. The updater steps it after syncing the gradients (DDP), so the sync carries the
+    scaled gradients, as under PyTorch's DDP.
+    """
+    fmt = Precision.from_name(cfg.precision)
+    if not (fmt.loss_scaling and cfg.loss_scaling):
+        return optimizer
+    scaler = scaler or DynamicLossScaler(all_reduce_max=lambda flag: world.allreduce_obj(flag, op="max"))
+    return LossScalingOptimizer(optimizer, scaler)
+
+
+def wrap_runner(cfg, model, runner, optimizer):
+    """The runner for `cfg.precision`: itself for fp64/fp32, a MixedPrecisionRunner for bf16/fp16.
+
+    `optimizer` is the one the updater steps: a LossScalingOptimizer (loss_scaling_optimizer) tells
+    the runner which scale to multiply the loss by.
     """
     fmt = Precision.from_name(cfg.precision)
     if fmt.round is None:
-        return runner, updater
-    loss_scaling = None
-    if fmt.loss_scaling and cfg.loss_scaling:
-        scaler = scaler or DynamicLossScaler(all_reduce_max=lambda flag: world.allreduce_obj(flag, op="max"))
-        loss_scaling = updater.optimizer = LossScalingOptimizer(updater.optimizer, scaler)
-    return MixedPrecisionRunner(runner, model.parameters(), fmt.round, loss_scaling), updater
+        return runner
+    loss_scaling = optimizer if isinstance(optimizer, LossScalingOptimizer) else None
+    return MixedPrecisionRunner(runner, model.parameters(), fmt.round, loss_scaling)

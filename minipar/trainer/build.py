@@ -47,10 +47,9 @@ def build_model(cfg, grid):
 def build_optimizer(cfg, params):
     if cfg.optimizer == "sgd":
         return optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
-    optimizer = optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.fused:  # the same arithmetic, as three fused kernels (fusion/training.py)
-        optimizer.update_rule = fused_training.adamw_update
-    return optimizer
+    # --fused: the same arithmetic, as three fused kernels (fusion/training.py)
+    update_rule = fused_training.adamw_update if cfg.fused else optim.adamw_update
+    return optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, update_rule=update_rule)
 
 
 def build_runner(cfg, grid, model):
@@ -59,22 +58,26 @@ def build_runner(cfg, grid, model):
     return MicrobatchRunner(model, cfg.microbatches)
 
 
-def build_updater(cfg, grid, model):
+def build_updater(cfg, grid, model, scaler=None):
+    def optimizer_of(params):  # fp16: inside a loss-scaling optimizer (`scaler`, or PyTorch's defaults)
+        return mixed_precision.loss_scaling_optimizer(cfg, build_optimizer(cfg, params), grid.world, scaler)
+
     if cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None:
-        return build_chunked_zero3(cfg, grid, model, build_optimizer(cfg, []))  # chunked_zero.py
+        return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # chunked_zero.py
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
         stage = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}[cfg.zero]
-        return stage(model, build_optimizer(cfg, []), grid.dp)
+        return stage(model, optimizer_of([]), grid.dp)
     if cfg.zero == 0 and grid.dp.size > 1:
-        optimizer = build_optimizer(cfg, model.parameters())
+        optimizer = optimizer_of(model.parameters())
         return DistributedDataParallel(model, optimizer, grid.dp, cfg.bucket_mb,
                                        mixed_precision.gradient_all_reduce(cfg.precision, grid.dp))
-    return LocalUpdater(model, build_optimizer(cfg, model.parameters()))
+    return LocalUpdater(model, optimizer_of(model.parameters()))
 
 
 def build_engine(cfg, grid) -> Engine:
     model = build_model(cfg, grid)
     runner, updater = build_runner(cfg, grid, model), build_updater(cfg, grid, model)
-    # bf16/fp16: 16-bit working weights and activations over the fp32 masters, fp16 loss scaling
-    runner, updater = mixed_precision.wrap_engine(cfg, model, runner, updater, grid.world)
+    # bf16/fp16: 16-bit working weights and activations over the fp32 masters (and, for fp16, the loss
+    # scaled by the updater's loss-scaling optimizer)
+    runner = mixed_precision.wrap_runner(cfg, model, runner, updater.optimizer)
     return Engine(cfg, grid, model, runner, updater)

@@ -140,6 +140,7 @@ def reference_run(cfg: TrainConfig):
                           check_reference=False)
     trainer = Trainer(ref_cfg, MPI.COMM_SELF)
     records = trainer.run()
+    trainer.memory.close()
     return [r["loss"] for r in records], dict(local_state(trainer.engine.model))
 
 
@@ -168,6 +169,7 @@ def train(cfg: TrainConfig, world=None) -> list[dict]:
     cfg = cfg.resolved(world.Get_size())
     trainer = Trainer(cfg, world)
     records = trainer.run()
+    trainer.memory.close()  # its records are made: the reference run below keeps a ledger of its own
     full = trainer.full_state() if cfg.check_reference else None
     rank_rows = trainer.world.gather_obj({"rank": trainer.world.rank, "coords": trainer.grid.coords_of(
         trainer.world.rank), "mem": records[-1]["mem"] if records else {}})

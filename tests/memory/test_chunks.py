@@ -27,7 +27,7 @@ from minipar.memory.chunks import (
     search_chunk_size,
 )
 from minipar.memory.ledger import buffer_meter
-from minipar.parallel.zero import padded_numel
+from minipar.parallel.flat_units import padded_numel
 from minipar.parallel.zero_chunked import ChunkedZero3, chunk_numel_for, device_bytes_needed
 from minipar.trainer import build as hybrid
 from minipar.trainer import loop as train

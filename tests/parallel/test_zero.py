@@ -16,7 +16,8 @@ from mpi_harness import mpi_given, mpi_test, needs_world_size
 from minipar.memory import planner
 from minipar.memory.ledger import buffer_meter
 from minipar.parallel.ddp import DistributedDataParallel
-from minipar.parallel.zero import ZeroStage1, ZeroStage2, padded_numel
+from minipar.parallel.flat_units import padded_numel
+from minipar.parallel.zero import ZeroStage1, ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
 from minipar.trainer import build as hybrid
 from minipar.trainer import loop as train

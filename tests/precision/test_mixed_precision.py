@@ -21,7 +21,8 @@ from mpi_harness import mpi_given, mpi_test
 from minipar.bench import precision as precision_bench
 from minipar.core.autograd import Function
 from minipar.dist.comm import Comm, ProcessGrid, shard_bounds
-from minipar.parallel.ddp import check_replicas_identical, flatten
+from minipar.parallel.ddp import flatten
+from minipar.parallel.flat_units import check_replicas_identical
 from minipar.precision import mixed as mixed_precision
 from minipar.precision.formats import DynamicLossScaler, round_to_bf16, round_to_fp16
 from minipar.trainer import build as hybrid
@@ -44,8 +45,8 @@ def single_process_engine(cfg: TrainConfig, scaler=None, runner=None) -> Engine:
     grid = ProcessGrid(Comm(MPI.COMM_SELF), 1, 1, 1)
     model = hybrid.build_model(cfg, grid)
     inner = runner(model) if runner else hybrid.build_runner(cfg, grid, model)
-    runner, updater = mixed_precision.wrap_engine(cfg, model, inner, hybrid.build_updater(cfg, grid, model),
-                                                  grid.world, scaler)
+    updater = hybrid.build_updater(cfg, grid, model, scaler)
+    runner = mixed_precision.wrap_runner(cfg, model, inner, updater.optimizer)
     return Engine(cfg, grid, model, runner, updater)
 
 
@@ -81,10 +82,10 @@ class WeightSpyRunner(MicrobatchRunner):
         super().__init__(model, microbatches)
         self.seen, self.weights = [], None
         for _, unit in model.units():
-            unit.forward = self.spied(unit.forward)
+            unit.register_forward_hook(self.spy_on_output)
 
-    def spied(self, forward):
-        return lambda x: Spy.apply(forward(x), self.seen)
+    def spy_on_output(self, unit, args, output):
+        return Spy.apply(output, self.seen)
 
     def forward_backward(self, inputs, targets, normaliser):
         self.weights = [p.data.copy() for p in self.model.parameters()]
@@ -296,9 +297,9 @@ def test_fp16_replicas_skip_the_same_steps_and_stay_identical(comm):
     cfg = tiny(model="mlp", precision="fp16", dp=comm.size, batch_size=4 * comm.size, steps=10)
     grid = ProcessGrid(comm, comm.size, 1, 1)
     model = hybrid.build_model(cfg, grid)
-    runner, updater = mixed_precision.wrap_engine(
-        cfg, model, hybrid.build_runner(cfg, grid, model), hybrid.build_updater(cfg, grid, model), comm,
-        DynamicLossScaler(init_scale=2.0**20, all_reduce_max=lambda flag: comm.allreduce_obj(flag, "max")))
+    updater = hybrid.build_updater(cfg, grid, model, DynamicLossScaler(
+        init_scale=2.0**20, all_reduce_max=lambda flag: comm.allreduce_obj(flag, "max")))
+    runner = mixed_precision.wrap_runner(cfg, model, hybrid.build_runner(cfg, grid, model), updater.optimizer)
     engine, task = Engine(cfg, grid, model, runner, updater), train.make_task(cfg)
     verdicts = []
     for step in range(cfg.steps):
