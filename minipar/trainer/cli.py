@@ -97,15 +97,15 @@ def cmd_train(argv) -> int:
 
 
 def cmd_plan(argv) -> int:
-    from minipar.memory import planner
+    from minipar.trainer import commands
 
-    return planner.main(argv)
+    return commands.plan_main(argv)
 
 
 def cmd_schedule(argv) -> int:
-    from minipar.parallel import schedules
+    from minipar.trainer import commands
 
-    return schedules.main(argv)
+    return commands.schedule_main(argv)
 
 
 def cmd_bench(argv) -> int:
