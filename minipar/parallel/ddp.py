@@ -25,9 +25,8 @@ import zlib
 
 from minipar.core import backend
 from minipar.core.backend import xp_of
+from minipar.memory.offload import MiB
 from minipar.trainer.engine import LocalUpdater
-
-MiB = 2**20
 
 
 def plan_buckets(params, bucket_bytes: int) -> list[list]:
