@@ -20,7 +20,7 @@ import numpy as np
 
 from minipar.bench.dp import run_train
 from minipar.trainer.cli import parse_train_args
-from minipar.trainer.config import validate
+from minipar.trainer.validate import validate
 
 
 def factorisations(n: int) -> list[tuple[int, int, int]]:

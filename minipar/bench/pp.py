@@ -26,7 +26,7 @@ import numpy as np
 
 from minipar.bench.dp import run_train
 from minipar.trainer.cli import parse_train_args
-from minipar.trainer.config import validate
+from minipar.trainer.validate import validate
 
 DEFAULT_TRAIN_ARGS = ["--batch-size", "32", "--d-model", "128", "--n-layer", "2"]
 

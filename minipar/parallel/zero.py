@@ -26,6 +26,7 @@ from minipar.core import autograd
 from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import xp_of
 from minipar.memory.ledger import buffer_meter
+from minipar.memory.planner import STAGES as STAGES  # --zero's choices: 0 (DP), 1-2 here, 3 in zero3.py
 from minipar.parallel.ddp import check_replicas_identical, unflatten
 from minipar.parallel.logical_state import flat_unit_buffer, flat_unit_pieces
 
