@@ -19,7 +19,7 @@ from pathlib import Path
 from minipar.bench.table import right_aligned
 from minipar.bench.timing import median, run_train
 from minipar.trainer.cli import parse_train_args
-from minipar.trainer.config import validate
+from minipar.trainer.validate import validate
 
 
 def factorisations(n: int) -> list[tuple[int, int, int]]:

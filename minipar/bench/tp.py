@@ -24,7 +24,7 @@ from minipar.bench.timing import median, run_train
 from minipar.core.nn import Block
 from minipar.trainer.build import model_config
 from minipar.trainer.cli import parse_train_args
-from minipar.trainer.config import validate
+from minipar.trainer.validate import validate
 
 
 def first_step_bytes(ranks, args, log) -> int:

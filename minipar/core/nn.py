@@ -16,6 +16,8 @@ from minipar.core import functional as F
 from minipar.core.backend import current as current_backend
 from minipar.core.module import Module, ModuleList, Parameter, Shard, initial_value, shard_of  # noqa: F401
 
+MODELS = ("gpt", "mlp")  # `minipar train --model`: GPT or MLPNet, both defined below
+
 
 class Linear(Module):
     def __init__(self, in_features, out_features, bias=True, std=0.02, dtype="float64"):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from minipar.core.backend import xp_of
 
+OPTIMIZERS = ("adamw", "sgd")  # `minipar train --optimizer`: AdamW or SGD (with momentum), below
+
 
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
     """One AdamW step in place, in PyTorch's order of operations (decoupled decay, bias correction)."""

@@ -35,7 +35,8 @@ import numpy as np
 from minipar.core import backend
 
 TIERS = ("device", "cpu", "disk")
-POLICIES = ("lru", "opt")
+POLICIES = ("lru", "opt")  # `minipar train --eviction`
+OFFLOADS = ("none", *TIERS[1:])  # `minipar train --offload`: keep every block on the device, or a lower tier
 MiB = 2**20
 
 

@@ -22,10 +22,9 @@ Lesson: lessons/03_data_parallel.md.
 from __future__ import annotations
 
 from minipar.core.backend import xp_of
+from minipar.memory.offload import MiB
 from minipar.parallel.flat_units import check_replicas_identical, unflatten
 from minipar.trainer.engine import LocalUpdater
-
-MiB = 2**20
 
 
 def plan_buckets(params, bucket_bytes: int) -> list[list]:

@@ -14,17 +14,14 @@ micro-batch in each direction, and the bubble itself.
 
 `simulate` places the per-stage action lists on unit-time slots, each action starting as soon as its
 rank is free and its inputs exist; the bubble fraction and in-flight counts are read off the result,
-never typed in. Lesson 06 (pipeline parallelism) explains it; `python -m minipar schedule` draws it.
+never typed in. Lesson 06 (pipeline parallelism) explains it; `python -m minipar schedule` draws it
+(minipar/trainer/commands.py: the command; this file: the schedules and the simulator).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass
 from fractions import Fraction
-
-from minipar.trainer.arguments import OneLineParser
 
 
 @dataclass(frozen=True)
@@ -201,53 +198,3 @@ def render(timeline: Timeline) -> str:
         cells = [(str(cell) if cell is not None else ".").rjust(width) for cell in timeline.grid[stage]]
         lines.append(f"stage {stage:>{label_width}} | " + " ".join(cells))
     return "\n".join(lines)
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = OneLineParser(prog="minipar schedule", description="Draw a pipeline schedule.")
-    parser.add_argument("--stages", type=int, required=True, help="pipeline stages K (ranks)")
-    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches M per batch")
-    parser.add_argument("--schedule", choices=list(SCHEDULES), required=True)
-    parser.add_argument("--backward-cost", type=int, default=1, help="time units of a backward (forward: 1)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the chart")
-    args = parser.parse_args(argv)
-    for name in ("stages", "microbatches", "backward_cost"):
-        if getattr(args, name) < 1:
-            flag = "--" + name.replace("_", "-")
-            parser.error(f"{flag} must be at least 1, got {getattr(args, name)}")
-    return args
-
-
-def main(argv: list[str]) -> int:
-    """The `minipar schedule` command: chart (or JSON), bubble fraction and peak in-flight per stage."""
-    try:
-        args = _parse(argv)
-    except SystemExit as exit_request:  # a one-line usage error (2), or --help (0)
-        return int(exit_request.code or 0)
-    schedule = build_schedule(args.schedule, args.stages, args.microbatches)
-    timeline = simulate(schedule, backward_cost=args.backward_cost)
-    bubble = bubble_fraction(timeline)
-    peaks = peak_inflight(schedule)
-    microbatches = check_schedule(schedule)  # naive runs 1, whatever was asked
-    if args.json:
-        print(json.dumps({
-            "schedule": args.schedule,
-            "stages": args.stages,
-            "microbatches": microbatches,
-            "forward_cost": 1,
-            "backward_cost": args.backward_cost,
-            "makespan": timeline.makespan,
-            "bubble_fraction": float(bubble),
-            "bubble_fraction_exact": str(bubble),
-            "peak_inflight": peaks,
-            "timeline": [[None if cell is None else str(cell) for cell in row] for row in timeline.grid],
-        }))
-        return 0
-    print(f"{args.schedule} schedule: stages K={args.stages}, micro-batches M={microbatches}, "
-          f"forward 1 time unit, backward {args.backward_cost}")
-    if args.schedule == "naive":
-        print("(naive runs the whole batch as one micro-batch; --microbatches is ignored)")
-    print(render(timeline))
-    print(f"bubble fraction: {bubble} = {float(bubble):.3f} (idle slots / all slots)")
-    print("peak in-flight micro-batches: " + ", ".join(f"stage {s}: {p}" for s, p in enumerate(peaks)))
-    return 0

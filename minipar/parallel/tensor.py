@@ -252,3 +252,18 @@ class VocabParallelCrossEntropy(Function):
 def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, vocab_size: int, comm):
     """Like F.cross_entropy(logits, targets, "sum") for the vocab-split logits this rank holds."""
     return VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, comm)
+
+
+# ---- what `minipar train --tp` needs (trainer/validate.py gathers it) ----------------------------------
+
+
+def config_errors(cfg) -> list[str]:
+    """Tensor parallelism splits attention by whole heads, and only the GPT's layers."""
+    if cfg.model != "gpt" and cfg.tp > 1:
+        # MLPNet's layers are separate pipeline units; Megatron's column/row pairing would leave a
+        # split activation at a unit boundary, so tensor parallelism is kept to the GPT.
+        return [f"--tp {cfg.tp} needs --model gpt (tensor parallelism splits the GPT's layers)"]
+    if cfg.n_head % cfg.tp:  # tp = 1 for the MLP here
+        return [f"--tp {cfg.tp} does not divide --n-head {cfg.n_head}: "
+                "each tensor-parallel rank must own whole attention heads"]
+    return []

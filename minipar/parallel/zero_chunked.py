@@ -265,10 +265,8 @@ def device_bytes_needed(model, chunk_numel: int, parts: int, rows: int, offload:
 
 
 def config_errors(cfg) -> list[str]:
-    """Checks for --offload / --chunk-mb / --device-mem-mb on the model's real sizes (config.validate;
-    cfg has its dp resolved)."""
-    from minipar.trainer.build import build_model, build_optimizer  # lazily: hybrid builds this engine
-
+    """What --offload / --chunk-mb / --device-mem-mb need of the other options (trainer/validate.py;
+    cfg has its dp resolved). When these pass, `size_errors` checks them on the model's sizes."""
     errors = [f"--offload {cfg.offload} needs --device-mem-mb: the device budget that pushes blocks out"
               ] if cfg.offload != "none" and cfg.device_mem_mb is None else []
     errors += [f"--{name.replace('_', '-')} must be positive, got {value}"
@@ -277,14 +275,17 @@ def config_errors(cfg) -> list[str]:
     if cfg.zero not in (0, 3) or cfg.tp > 1 or cfg.pp > 1 or cfg.precision not in ("fp64", "fp32"):
         errors.append("--offload, --chunk-mb and --device-mem-mb run chunked ZeRO-3 over data parallelism: "
                       "they need --zero 3 (or 0), --tp 1, --pp 1 and --precision fp64 or fp32")
-    if errors:
-        return errors
-    model = build_model(cfg.replace(zero=0, offload="none", chunk_mb=None, device_mem_mb=None), None)
+    return errors
+
+
+def size_errors(cfg, model, optimizer) -> list[str]:
+    """--chunk-mb and --device-mem-mb against the real sizes: `model` is the whole model of `cfg` (one
+    rank's, before sharding) and `optimizer` the one it trains with, whose state rows count."""
     chunk_numel, largest = chunk_numel_for(cfg, model, cfg.dp), max(tensor_sizes(model))
     if chunk_numel < largest:
         return [f"--chunk-mb {cfg.chunk_mb} holds {chunk_numel} elements, fewer than the largest parameter's "
                 f"{largest}: a tensor never straddles two chunks"]
-    state = build_optimizer(cfg, []).init_state(1, "float64", current_backend().xp)
+    state = optimizer.init_state(1, "float64", current_backend().xp)
     rows = 2 + sum(hasattr(v, "shape") for v in state.values())
     needed = device_bytes_needed(model, chunk_numel, cfg.dp, rows, cfg.offload)
     if cfg.device_mem_mb is not None and cfg.device_mem_mb * MiB < needed:

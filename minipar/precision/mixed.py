@@ -146,3 +146,23 @@ def wrap_runner(cfg, model, runner, optimizer):
         return runner
     loss_scaling = optimizer if isinstance(optimizer, LossScalingOptimizer) else None
     return MixedPrecisionRunner(runner, model.parameters(), fmt.round, loss_scaling)
+
+
+# ---- what `minipar train --precision bf16 | fp16` composes with (trainer/validate.py gathers it) ----
+
+
+def config_errors(cfg) -> list[str]:
+    """16-bit emulation runs in NumPy, over fp32 parameters that stay whole, with one optimizer step."""
+    if cfg.precision not in LOW_PRECISIONS:
+        return []
+    errors = []
+    if cfg.backend != "numpy":
+        errors.append(f"--precision {cfg.precision} emulates the 16-bit format in NumPy: use --backend numpy")
+    chunked = cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None
+    if cfg.zero == 3 or chunked:
+        errors.append(f"--precision {cfg.precision} does not support --zero 3 or chunked offload: they "
+                      "gather the fp32 parameters during forward, after the 16-bit working copy is made")
+    elif cfg.precision == "fp16" and cfg.loss_scaling and cfg.zero:
+        errors.append(f"--precision fp16 with --zero {cfg.zero}: the loss scaler checks all gradients "
+                      "before one optimizer step, and ZeRO updates shard by shard; use bf16 or --zero 0")
+    return errors

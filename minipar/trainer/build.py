@@ -46,7 +46,7 @@ def build_model(cfg, grid):
 
 def build_optimizer(cfg, params):
     if cfg.optimizer == "sgd":
-        return optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        return optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     # --fused: the same arithmetic, as three fused kernels (fusion/training.py)
     update_rule = fused_training.adamw_update if cfg.fused else optim.adamw_update
     return optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, update_rule=update_rule)

@@ -9,67 +9,54 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import types
+import typing
 
-from minipar.core.backend import BACKEND_ENV, name_from_env
 from minipar.trainer.arguments import OneLineParser
-from minipar.trainer.config import (
-    BACKENDS,
-    EVICTIONS,
-    MODELS,
-    OFFLOADS,
-    PRECISIONS,
-    SCHEDULES,
-    TrainConfig,
-    validate,
-)
+from minipar.trainer.config import TrainConfig
+from minipar.trainer.validate import validate
 
 
 def train_parser() -> argparse.ArgumentParser:
+    """One flag per TrainConfig field, from its type, default and metadata (config.option)."""
     p = OneLineParser(prog="minipar train", description="Train a model under mpiexec in any layout.")
-    d = TrainConfig()
-    p.add_argument("--model", choices=MODELS, default=d.model)
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp*pp))")
-    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=d.pp, help="pipeline stages")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=d.zero, help="ZeRO stage")
-    p.add_argument("--microbatches", type=int, default=d.microbatches)
-    p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
-    p.add_argument("--precision", choices=PRECISIONS, default=d.precision)
-    p.add_argument("--offload", choices=OFFLOADS, default=d.offload)
-    p.add_argument("--device-mem-mb", type=float, default=d.device_mem_mb)
-    p.add_argument("--chunk-mb", type=float, default=d.chunk_mb)
-    p.add_argument("--eviction", choices=EVICTIONS, default=d.eviction, help="offload's eviction policy")
-    p.add_argument("--steps", type=int, default=d.steps, help="total steps (a resumed run continues to it)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (sequences)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default=d.optimizer)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help=f"array backend (default: ${BACKEND_ENV} if set, else {d.backend})")
-    p.add_argument("--n-layer", type=int, default=d.n_layer)
-    p.add_argument("--n-head", type=int, default=d.n_head)
-    p.add_argument("--d-model", type=int, default=d.d_model)
-    p.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="DDP gradient bucket size")
-    p.add_argument("--fused", action="store_true", help="AdamW and GELU through the fusion interpreter")
-    p.add_argument("--log", default=None, help="JSON-lines log written by rank 0")
-    p.add_argument("--save", default=None, help="checkpoint directory written at the end")
-    p.add_argument("--resume", default=None, help="checkpoint directory to continue from")
-    p.add_argument("--check-reference", action="store_true",
-                   help="also run single-process on rank 0 and report the largest deviation")
-    p.add_argument("--quiet", action="store_true")
+    types_of = typing.get_type_hints(TrainConfig)
+    for field in dataclasses.fields(TrainConfig):
+        if field.metadata.get("command_line", True):
+            p.add_argument("--" + field.name.replace("_", "-"), **_argument(field, types_of[field.name]))
     return p
+
+
+def _argument(field: dataclasses.Field, annotation) -> dict:
+    """add_argument's keywords for one field: a bool is a switch, `X | None` takes an X."""
+    help, choices, env = field.metadata["help"], field.metadata.get("choices"), field.metadata.get("env")
+    if annotation is bool:
+        if field.default is not False:
+            raise TypeError(f"{field.name}: a command-line switch turns something on: default it to False")
+        return {"action": "store_true", "help": help}
+    if isinstance(annotation, types.UnionType):  # int | None: the option may be left out
+        annotation = next(t for t in typing.get_args(annotation) if t is not type(None))
+    keywords = {"type": annotation, "default": field.default, "help": help}
+    if choices is not None:
+        keywords["choices"] = choices
+    if env is not None:  # None: not given, so parse_train_args reads the environment
+        keywords["default"] = None
+        keywords["help"] = f"{help} (default: ${env} if set, else {field.default})"
+    return keywords
 
 
 def parse_train_args(argv) -> TrainConfig:
     parser = train_parser()
     args = vars(parser.parse_args(argv))
-    if args["backend"] is None:  # the flag wins over the environment
-        args["backend"] = name_from_env()
-        if args["backend"] not in BACKENDS:
-            parser.error(f"{BACKEND_ENV}={args['backend']!r} is not one of {', '.join(BACKENDS)}")
+    for field in dataclasses.fields(TrainConfig):
+        env, choices = field.metadata.get("env"), field.metadata.get("choices")
+        if env is None or args[field.name] is not None:  # the flag wins over the environment
+            continue
+        args[field.name] = os.environ.get(env, "").strip() or field.default
+        if choices is not None and args[field.name] not in choices:
+            parser.error(f"{env}={args[field.name]!r} is not one of {', '.join(choices)}")
     return TrainConfig(**{f.name: args[f.name] for f in dataclasses.fields(TrainConfig) if f.name in args})
 
 
@@ -97,15 +84,15 @@ def cmd_train(argv) -> int:
 
 
 def cmd_plan(argv) -> int:
-    from minipar.memory import planner
+    from minipar.trainer import commands
 
-    return planner.main(argv)
+    return commands.plan_main(argv)
 
 
 def cmd_schedule(argv) -> int:
-    from minipar.parallel import schedules
+    from minipar.trainer import commands
 
-    return schedules.main(argv)
+    return commands.schedule_main(argv)
 
 
 def cmd_bench(argv) -> int:

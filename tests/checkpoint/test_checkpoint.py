@@ -24,7 +24,8 @@ from minipar.core.nn import Shard
 from minipar.dist.comm import shard_bounds
 from minipar.parallel.logical_state import Piece, assemble
 from minipar.trainer import loop as train
-from minipar.trainer.config import TrainConfig, validate
+from minipar.trainer.config import TrainConfig
+from minipar.trainer.validate import validate
 
 WORLD = MPI.COMM_WORLD
 TINY = TrainConfig(model="gpt", precision="fp64", n_layer=2, n_head=4, d_model=16, seq_len=8, batch_size=8,

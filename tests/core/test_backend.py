@@ -27,7 +27,8 @@ from minipar.core import backend
 from minipar.dist import collectives
 from minipar.dist.comm import shard_bounds
 from minipar.trainer import loop as train
-from minipar.trainer.config import TrainConfig, validate
+from minipar.trainer.config import TrainConfig
+from minipar.trainer.validate import validate
 
 WORLD = MPI.COMM_WORLD
 REPO = Path(__file__).resolve().parents[2]

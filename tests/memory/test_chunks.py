@@ -31,7 +31,8 @@ from minipar.parallel.flat_units import padded_numel
 from minipar.parallel.zero_chunked import ChunkedZero3, chunk_numel_for, device_bytes_needed
 from minipar.trainer import build as hybrid
 from minipar.trainer import loop as train
-from minipar.trainer.config import TrainConfig, validate
+from minipar.trainer.config import TrainConfig
+from minipar.trainer.validate import validate
 
 
 def tiny(**changes) -> TrainConfig:

@@ -26,7 +26,8 @@ from minipar.memory.ledger import buffer_meter
 from minipar.memory.offload import DiskTier, TieredStore
 from minipar.trainer import build as hybrid
 from minipar.trainer import loop as train
-from minipar.trainer.config import TrainConfig, validate
+from minipar.trainer.config import TrainConfig
+from minipar.trainer.validate import validate
 
 BLOCK_NUMEL = 6
 BLOCK_BYTES = BLOCK_NUMEL * 8

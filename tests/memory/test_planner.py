@@ -12,10 +12,10 @@ from minipar.memory.planner import (
     STAGES,
     bytes_per_device,
     format_size,
-    main,
     max_params,
     model_state_bytes,
 )
+from minipar.trainer.commands import plan_main
 
 GB = 10**9
 
@@ -117,7 +117,7 @@ def test_minipar_fp64_adam_prediction():
 
 
 def test_cli_table(capsys):
-    assert main(["--params", "7.5e9", "--dp", "64", "--device-gb", "32"]) == 0
+    assert plan_main(["--params", "7.5e9", "--dp", "64", "--device-gb", "32"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines if line[:1].isdigit()]
     assert [row[0] for row in rows] == ["0", "1", "2", "3"]
@@ -126,13 +126,13 @@ def test_cli_table(capsys):
 
 
 def test_cli_json_shape(capsys):
-    assert main(["--params", "7.5e9", "--dp", "64", "--k", "12", "--json"]) == 0
+    assert plan_main(["--params", "7.5e9", "--dp", "64", "--k", "12", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["params"] == 7_500_000_000 and report["dp"] == 64 and report["k"] == 12
     assert report["bytes_per_device"] == {"0": 120 * GB, "1": 31_406_250_000, "2": 16_640_625_000,
                                           "3": 1_875_000_000}
     assert "max_params" not in report
-    assert main(["--params", "10", "--dp", "3", "--json", "--device-gb", "1"]) == 0
+    assert plan_main(["--params", "10", "--dp", "3", "--json", "--device-gb", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["bytes_per_device"]["3"] == pytest.approx(160 / 3)  # an average over uneven shards
     # Bytes per parameter in 1 GB: 16, 4 + 12/3, 2 + 14/3, 16/3.
@@ -151,7 +151,7 @@ def test_cli_json_shape(capsys):
     ["--dp", "4"],
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys):
-    assert main(argv) == 2
+    assert plan_main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("minipar plan: error: ")

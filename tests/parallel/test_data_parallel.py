@@ -27,7 +27,8 @@ from minipar.dist.comm import ProcessGrid
 from minipar.parallel.ddp import DistributedDataParallel, flatten, plan_buckets, unflatten
 from minipar.trainer import build as hybrid
 from minipar.trainer import loop as train
-from minipar.trainer.config import TrainConfig, validate
+from minipar.trainer.config import TrainConfig
+from minipar.trainer.validate import validate
 
 TINY_GPT = ["--precision", "fp64", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "--seq-len", "8"]
 

@@ -27,9 +27,10 @@ from minipar.parallel.pipeline import (
 )
 from minipar.parallel.schedules import bubble_fraction, build_schedule, simulate
 from minipar.parallel.tensor_gpt import TensorParallelGPT
-from minipar.trainer.config import TrainConfig, validate
+from minipar.trainer.config import TrainConfig
 from minipar.trainer.engine import MicrobatchRunner
 from minipar.trainer.loop import Trainer, compare_with_reference
+from minipar.trainer.validate import validate
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 

@@ -13,13 +13,13 @@ from minipar.parallel.schedules import (
     build_schedule,
     dependencies,
     gpipe,
-    main,
     naive,
     one_f_one_b,
     peak_inflight,
     render,
     simulate,
 )
+from minipar.trainer.commands import schedule_main
 
 stages = st.integers(1, 12)
 microbatches = st.integers(1, 40)
@@ -122,7 +122,7 @@ def test_render_shows_every_slot_of_the_grid(k, m, name, backward_cost):
 
 
 def test_cli_chart(capsys):
-    assert main(["--stages", "4", "--microbatches", "16", "--schedule", "gpipe"]) == 0
+    assert schedule_main(["--stages", "4", "--microbatches", "16", "--schedule", "gpipe"]) == 0
     out = capsys.readouterr().out
     assert "bubble fraction: 3/19 = 0.158" in out
     assert "stage 0: 16, stage 1: 16, stage 2: 16, stage 3: 16" in out
@@ -131,7 +131,7 @@ def test_cli_chart(capsys):
 
 def test_cli_json_shape(capsys):
     argv = ["--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--json", "--backward-cost", "2"]
-    assert main(argv) == 0
+    assert schedule_main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["bubble_fraction"] == pytest.approx(3 / 11)
     assert report["bubble_fraction_exact"] == "3/11"
@@ -143,7 +143,7 @@ def test_cli_json_shape(capsys):
 
 
 def test_cli_naive_ignores_microbatches(capsys):
-    assert main(["--stages", "3", "--microbatches", "8", "--schedule", "naive", "--json"]) == 0
+    assert schedule_main(["--stages", "3", "--microbatches", "8", "--schedule", "naive", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["microbatches"] == 1 and report["bubble_fraction_exact"] == "2/3"
 
@@ -158,7 +158,7 @@ def test_cli_naive_ignores_microbatches(capsys):
     ["--stages", "4", "--schedule", "1f1b"],
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys):
-    assert main(argv) == 2
+    assert schedule_main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("minipar schedule: error: ")

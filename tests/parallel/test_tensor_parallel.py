@@ -36,9 +36,10 @@ from minipar.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from minipar.parallel.tensor_gpt import TensorParallelGPT
-from minipar.trainer.config import TrainConfig, validate
+from minipar.trainer.config import TrainConfig
 from minipar.trainer.engine import assemble_full_state
 from minipar.trainer.loop import Trainer, reference_run
+from minipar.trainer.validate import validate
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent

@@ -27,8 +27,9 @@ from minipar.precision import mixed as mixed_precision
 from minipar.precision.formats import DynamicLossScaler, round_to_bf16, round_to_fp16
 from minipar.trainer import build as hybrid
 from minipar.trainer import loop as train
-from minipar.trainer.config import TrainConfig, validate
+from minipar.trainer.config import TrainConfig
 from minipar.trainer.engine import Engine, MicrobatchRunner
+from minipar.trainer.validate import validate
 
 ROUND = {"bf16": round_to_bf16, "fp16": round_to_fp16}
 TRACKING_RTOL = 1e-2

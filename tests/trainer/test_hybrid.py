@@ -14,7 +14,8 @@ from mpi_harness import mpi_given, mpi_test, needs_world_size
 
 from minipar.bench.layouts import factorisations
 from minipar.trainer import loop as train
-from minipar.trainer.config import TrainConfig, validate
+from minipar.trainer.config import TrainConfig
+from minipar.trainer.validate import validate
 
 WORLD = MPI.COMM_WORLD
 

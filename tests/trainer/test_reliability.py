@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from minipar.trainer import loop as train
-from minipar.trainer.config import TrainConfig, validate
+from minipar.trainer.config import TrainConfig
+from minipar.trainer.validate import validate
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,150 @@
+"""`minipar plan` and `minipar schedule`: the commands that print the planner's and the schedules' numbers.
+
+memory/planner.py holds ZeRO's memory formulas and parallel/schedules.py the schedules as data; this
+module parses a command's options, checks them (one line and exit code 2 on a mistake, like every
+minipar command) and prints the table, chart or JSON. Lessons: 04_zero.md, 06_pipeline.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from fractions import Fraction
+
+from minipar.memory import planner
+from minipar.parallel import schedules
+from minipar.trainer.arguments import OneLineParser
+
+# ---- minipar plan ------------------------------------------------------------------------------------
+
+
+def _json_number(value: Fraction) -> int | float:
+    return value.numerator if value.denominator == 1 else float(value)
+
+
+def _format_bytes(value: Fraction) -> str:
+    return f"{_json_number(value):,}" if value.denominator == 1 else f"{float(value):,.1f}"
+
+
+def _parse_plan(argv: list[str]) -> argparse.Namespace:
+    parser = OneLineParser(prog="minipar plan", description="ZeRO model-state memory per device.")
+    parser.add_argument("--params", type=float, required=True, help="model parameters Ψ, e.g. 7.5e9")
+    parser.add_argument("--dp", type=int, required=True, help="data-parallel degree N")
+    parser.add_argument("--k", type=int, default=12, help="optimizer-state bytes per parameter (12)")
+    parser.add_argument("--param-bytes", type=int, default=2, help="bytes per parameter (2, fp16)")
+    parser.add_argument("--grad-bytes", type=int, default=2, help="bytes per gradient (2, fp16)")
+    parser.add_argument("--mp", type=int, default=1, help="model-parallel degree splitting the model first")
+    parser.add_argument("--device-gb", type=float, help="also: the largest model that fits in this many GB")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    args = parser.parse_args(argv)
+    if not (args.params > 0 and args.params.is_integer()):
+        parser.error(f"--params must be a positive whole number of parameters, got {args.params:g}")
+    args.params = int(args.params)
+    for name, least in (("dp", 1), ("mp", 1), ("param_bytes", 1), ("grad_bytes", 1), ("k", 0)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
+    if args.device_gb is not None and not (0 < args.device_gb < math.inf):
+        parser.error(f"--device-gb must be a positive number, got {args.device_gb:g}")
+    return args
+
+
+def _table(args: argparse.Namespace, sizes: dict[int, Fraction], fits: dict[int, int] | None) -> str:
+    lines = [
+        f"ZeRO-DP model states per device: Ψ = {args.params:,} parameters, N = {args.dp} data-parallel "
+        f"ranks, K = {args.k}, {args.param_bytes}-byte parameters, {args.grad_bytes}-byte gradients",
+    ]
+    if args.mp > 1:
+        lines.append(f"model parallel over {args.mp} devices first: every figure is divided by {args.mp}")
+    width = max(len(_format_bytes(size)) for size in sizes.values())
+    header = f"{'stage':<6} {'partitioned':<19} {'per device':>10} {'bytes':>{width}}  {'formula':<20}"
+    if fits is not None:
+        header += f"  largest Ψ in {args.device_gb:g} GB"
+    lines.append(header.rstrip())
+    for stage in planner.STAGES:
+        row = (f"{stage:<6} {planner.PARTITIONED[stage]:<19} {planner.format_size(sizes[stage]):>10} "
+               f"{_format_bytes(sizes[stage]):>{width}}  "
+               f"{planner.formula(stage, args.param_bytes, args.grad_bytes):<20}")
+        if fits is not None:
+            row += f"  {planner.format_count(fits[stage])}"
+        lines.append(row.rstrip())
+    lines.append("(GB = 1e9 bytes, MB = 1e6, kB = 1e3; activations and temporary buffers not included)")
+    return "\n".join(lines)
+
+
+def plan_main(argv: list[str]) -> int:
+    """The `minipar plan` command: model-state bytes per device for ZeRO stages 0-3."""
+    try:
+        args = _parse_plan(argv)
+    except SystemExit as exit_request:  # a one-line usage error (2), or --help (0)
+        return int(exit_request.code or 0)
+    sizes_of = {"param_bytes": args.param_bytes, "grad_bytes": args.grad_bytes, "mp": args.mp}
+    sizes = planner.bytes_per_device(args.params, args.dp, args.k, **sizes_of)
+    fits = None
+    if args.device_gb is not None:
+        device_bytes = Fraction(repr(args.device_gb)) * 10**9  # the decimal typed, exactly
+        fits = {stage: planner.max_params(device_bytes, args.dp, stage, args.k, **sizes_of)
+                for stage in planner.STAGES}
+    if not args.json:
+        print(_table(args, sizes, fits))
+        return 0
+    report = {"params": args.params, "dp": args.dp, "k": args.k, **sizes_of,
+              "bytes_per_device": {str(stage): _json_number(sizes[stage]) for stage in planner.STAGES}}
+    if fits is not None:
+        report["device_gb"] = args.device_gb
+        report["max_params"] = {str(stage): fits[stage] for stage in planner.STAGES}
+    print(json.dumps(report))
+    return 0
+
+
+# ---- minipar schedule --------------------------------------------------------------------------------
+
+
+def _parse_schedule(argv: list[str]) -> argparse.Namespace:
+    parser = OneLineParser(prog="minipar schedule", description="Draw a pipeline schedule.")
+    parser.add_argument("--stages", type=int, required=True, help="pipeline stages K (ranks)")
+    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches M per batch")
+    parser.add_argument("--schedule", choices=list(schedules.SCHEDULES), required=True)
+    parser.add_argument("--backward-cost", type=int, default=1, help="time units of a backward (forward: 1)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the chart")
+    args = parser.parse_args(argv)
+    for name in ("stages", "microbatches", "backward_cost"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+def schedule_main(argv: list[str]) -> int:
+    """The `minipar schedule` command: chart (or JSON), bubble fraction and peak in-flight per stage."""
+    try:
+        args = _parse_schedule(argv)
+    except SystemExit as exit_request:  # a one-line usage error (2), or --help (0)
+        return int(exit_request.code or 0)
+    schedule = schedules.build_schedule(args.schedule, args.stages, args.microbatches)
+    timeline = schedules.simulate(schedule, backward_cost=args.backward_cost)
+    bubble = schedules.bubble_fraction(timeline)
+    peaks = schedules.peak_inflight(schedule)
+    microbatches = schedules.check_schedule(schedule)  # naive runs 1, whatever was asked
+    if args.json:
+        print(json.dumps({
+            "schedule": args.schedule,
+            "stages": args.stages,
+            "microbatches": microbatches,
+            "forward_cost": 1,
+            "backward_cost": args.backward_cost,
+            "makespan": timeline.makespan,
+            "bubble_fraction": float(bubble),
+            "bubble_fraction_exact": str(bubble),
+            "peak_inflight": peaks,
+            "timeline": [[None if cell is None else str(cell) for cell in row] for row in timeline.grid],
+        }))
+        return 0
+    print(f"{args.schedule} schedule: stages K={args.stages}, micro-batches M={microbatches}, "
+          f"forward 1 time unit, backward {args.backward_cost}")
+    if args.schedule == "naive":
+        print("(naive runs the whole batch as one micro-batch; --microbatches is ignored)")
+    print(schedules.render(timeline))
+    print(f"bubble fraction: {bubble} = {float(bubble):.3f} (idle slots / all slots)")
+    print("peak in-flight micro-batches: " + ", ".join(f"stage {s}: {p}" for s, p in enumerate(peaks)))
+    return 0

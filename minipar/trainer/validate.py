@@ -1,0 +1,129 @@
+"""validate(cfg, world_size): the one place that gathers every check of a TrainConfig.
+
+It runs on every rank before any collective and returns the problems as one-line messages, so a user
+mistake ends the job with a clear error and exit code 2 instead of a hang or a traceback. The checks
+of one technique are that technique's `config_errors` (parallel/tensor.py, precision/mixed.py,
+parallel/zero_chunked.py); what is left here concerns the options together: ranges, choices, the
+layout against the world size, and the paths. Lesson: lessons/12_reliability.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from minipar.checkpoint import sharded as checkpoint
+from minipar.core import backend
+from minipar.parallel import tensor, zero_chunked
+from minipar.precision import mixed
+from minipar.trainer.build import build_model, build_optimizer
+from minipar.trainer.config import TrainConfig
+
+
+def validate(cfg: TrainConfig, world_size: int) -> list[str]:
+    """All the problems with this configuration for this world size, as one-line messages."""
+    errors = _positive(cfg) + _choices(cfg)
+    if errors:
+        return errors
+    errors = _layout(cfg.resolved(world_size), world_size) + mixed.config_errors(cfg) + _backend(cfg)
+    return errors or _chunked(cfg.resolved(world_size)) or _paths(cfg)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _positive(cfg: TrainConfig) -> list[str]:
+    names = ["steps", "batch_size", "seq_len", "n_layer", "n_head", "d_model", "tp", "pp", "microbatches"]
+    errors = [f"{_flag(n)} must be a positive integer, got {getattr(cfg, n)}"
+              for n in names if getattr(cfg, n) < 1]
+    if cfg.dp is not None and cfg.dp < 1:
+        errors.append(f"--dp must be a positive integer, got {cfg.dp}")
+    if cfg.lr <= 0:
+        errors.append(f"--lr must be positive, got {cfg.lr}")
+    if cfg.bucket_mb <= 0:
+        errors.append(f"--bucket-mb must be positive, got {cfg.bucket_mb}")
+    if not 0 <= cfg.momentum < 1:  # 1 and more: the buffer never forgets, and the steps grow without end
+        errors.append(f"--momentum must be at least 0 and below 1, got {cfg.momentum}")
+    return errors
+
+
+def _choices(cfg: TrainConfig) -> list[str]:
+    """Every field whose metadata lists its choices (config.py), for configurations built in Python."""
+    errors = []
+    for field in dataclasses.fields(TrainConfig):
+        allowed, value = field.metadata.get("choices"), getattr(cfg, field.name)
+        if allowed is None or value in allowed:
+            continue
+        if all(isinstance(choice, int) for choice in allowed):  # --zero must be 0, 1, 2 or 3, got 4
+            listed = f"{', '.join(map(str, allowed[:-1]))} or {allowed[-1]}"
+            errors.append(f"{_flag(field.name)} must be {listed}, got {value}")
+        else:
+            errors.append(f"{_flag(field.name)} must be one of {', '.join(allowed)}, got {value!r}")
+    return errors
+
+
+def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
+    errors = []
+    if cfg.dp * cfg.tp * cfg.pp != world_size:
+        errors.append(f"dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp} = {cfg.dp * cfg.tp * cfg.pp} "
+                      f"does not match the world size {world_size} (mpiexec -n)")
+    if cfg.batch_size % cfg.dp:
+        errors.append(f"--batch-size {cfg.batch_size} is not divisible by dp={cfg.dp}")
+    elif (cfg.batch_size // cfg.dp) % cfg.microbatches:
+        errors.append(f"the per-replica batch {cfg.batch_size // cfg.dp} is not divisible by "
+                      f"--microbatches {cfg.microbatches}")
+    if cfg.model == "gpt" and cfg.d_model % cfg.n_head:
+        errors.append(f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}")
+    errors += tensor.config_errors(cfg)
+    if cfg.pp > cfg.n_units():
+        blocks = f"{cfg.n_layer} layers"
+        if cfg.model == "gpt":
+            blocks = f"embedding, {blocks} and head"
+        errors.append(f"--pp {cfg.pp} is more stages than the model's {cfg.n_units()} blocks ({blocks}); "
+                      "each stage needs at least one")
+    return errors
+
+
+def _backend(cfg: TrainConfig) -> list[str]:
+    """--backend cupy needs CuPy and a GPU on this rank (backend.py); numpy always runs."""
+    reason = backend.unavailable(cfg.backend) if cfg.backend == "cupy" else None
+    return [reason] if reason else []
+
+
+def _chunked(cfg: TrainConfig) -> list[str]:
+    """--offload / --chunk-mb / --device-mem-mb select chunked ZeRO-3; it checks them on the model's sizes."""
+    if cfg.offload == "none" and cfg.chunk_mb is None and cfg.device_mem_mb is None:
+        return []
+    errors = zero_chunked.config_errors(cfg)
+    if errors:
+        return errors
+    # the whole model one rank would gather, built as a plain single-process run builds it (no grid)
+    model = build_model(cfg.replace(zero=0, offload="none", chunk_mb=None, device_mem_mb=None), None)
+    return zero_chunked.size_errors(cfg, model, build_optimizer(cfg, []))
+
+
+def _paths(cfg: TrainConfig) -> list[str]:
+    """--log and --save must be writable where they point; --resume must be a checkpoint of this model."""
+    errors = []
+    if cfg.log is not None and Path(cfg.log).is_dir():
+        errors.append(f"--log {cfg.log} is a directory, not a file")
+    elif cfg.log is not None:
+        errors += _writable("--log", cfg.log, Path(cfg.log).parent)  # the log's folder must exist
+    if cfg.save is not None and Path(cfg.save).exists() and not Path(cfg.save).is_dir():
+        errors.append(f"--save {cfg.save} is a file, not a directory")
+    elif cfg.save is not None:
+        existing = next(p for p in [Path(cfg.save), *Path(cfg.save).absolute().parents] if p.exists())
+        errors += _writable("--save", cfg.save, existing)  # missing folders are created
+    if errors or cfg.resume is None:
+        return errors
+    return checkpoint.problems(cfg)
+
+
+def _writable(option: str, path: str, folder: Path) -> list[str]:
+    if not folder.is_dir():
+        return [f"{option} {path}: the folder {folder} does not exist"]
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return [f"{option} {path}: the folder {folder} is not writable"]
+    return []
