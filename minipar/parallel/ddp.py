@@ -13,7 +13,7 @@ What it costs: memory and communication. Every rank keeps a full copy of params,
 state, and sends 2(N-1)/N x the gradient bytes per step (ring all-reduce), however many
 micro-batches it accumulates first: the all-reduce runs once, after the last one.
 
-The loss each rank differentiates is already divided by the *global* count (engine.py), so the
+The loss each rank differentiates is already divided by the *global* count (trainer/engine.py), so the
 gradients are summed, not averaged: the sum is exactly the single-process gradient, and equals
 PyTorch's average of per-rank means when all slices are the same size.
 Lesson: lessons/03_data_parallel.md.
@@ -25,7 +25,7 @@ import zlib
 
 from minipar.core import backend
 from minipar.core.backend import xp_of
-from minipar.trainer.engine import LocalUpdater
+from minipar.parallel.api import LocalUpdater
 
 MiB = 2**20
 

@@ -26,6 +26,7 @@ from minipar.core import autograd
 from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import xp_of
 from minipar.memory.ledger import buffer_meter
+from minipar.parallel.api import Updater
 from minipar.parallel.ddp import check_replicas_identical, unflatten
 from minipar.parallel.logical_state import flat_unit_buffer, flat_unit_pieces
 
@@ -117,7 +118,7 @@ def after_backward_of(module, hook):
     module.forward = forward_with_hook
 
 
-class ZeroStage1:
+class ZeroStage1(Updater):
     """Updater: optimizer states partitioned; full gradients reduce-scattered at the step."""
 
     def __init__(self, model, optimizer, comm):

@@ -184,8 +184,9 @@ def _paths(cfg: TrainConfig) -> list[str]:
     if errors or cfg.resume is None:
         return errors
     from minipar.checkpoint import sharded as checkpoint
+    from minipar.trainer.build import model_config
 
-    return checkpoint.problems(cfg)
+    return checkpoint.problems(cfg, model_config(cfg))
 
 
 def _writable(option: str, path: str, folder: Path) -> list[str]:

@@ -21,13 +21,14 @@ from mpi_harness import mpi_given, mpi_test
 from minipar.bench import precision as precision_bench
 from minipar.core.autograd import Function
 from minipar.dist.comm import Comm, ProcessGrid, shard_bounds
+from minipar.parallel.api import MicrobatchRunner
 from minipar.parallel.ddp import check_replicas_identical, flatten
 from minipar.precision import mixed as mixed_precision
 from minipar.precision.formats import DynamicLossScaler, round_to_bf16, round_to_fp16
 from minipar.trainer import build as hybrid
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig, validate
-from minipar.trainer.engine import Engine, MicrobatchRunner
+from minipar.trainer.engine import Engine
 
 ROUND = {"bf16": round_to_bf16, "fp16": round_to_fp16}
 TRACKING_RTOL = 1e-2
