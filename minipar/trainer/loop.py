@@ -17,8 +17,7 @@ from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend
 from minipar.dist.comm import Comm, ProcessGrid, inject_fault, node_local_rank
 from minipar.memory.ledger import MemoryLedger
-from minipar.trainer import build as hybrid
-from minipar.trainer import report
+from minipar.trainer import build, report
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.engine import assemble_full_state
 from minipar.trainer.tasks import AdditionTask, RegressionTask
@@ -27,7 +26,7 @@ from minipar.trainer.tasks import AdditionTask, RegressionTask
 def make_task(cfg: TrainConfig):
     if cfg.model == "gpt":
         return AdditionTask(cfg.seq_len, cfg.seed)
-    mcfg = hybrid.model_config(cfg)
+    mcfg = build.model_config(cfg)
     return RegressionTask(mcfg.d_in, mcfg.d_out, cfg.seed)
 
 
@@ -43,7 +42,7 @@ class Trainer:
         self.world = Comm(world)
         self.grid = ProcessGrid(self.world, cfg.dp, cfg.pp, cfg.tp)
         self.memory = MemoryLedger()
-        self.engine = hybrid.build_engine(cfg, self.grid)
+        self.engine = build.build_engine(cfg, self.grid)
         if self.is_rank0 and not cfg.quiet and self.world.size > 1:
             print(self.grid.describe(), flush=True)
         self.task = make_task(cfg)
