@@ -1,7 +1,7 @@
-"""`python -m minipar ...`: see minipar/trainer/cli.py."""
+"""`python -m minipar ...`: see minipar/cli.py."""
 
 import sys
 
-from minipar.trainer.cli import main
+from minipar.cli import main
 
 sys.exit(main())

@@ -82,7 +82,7 @@ def test_each_planted_violation_is_reported(kind, untouched_report, planted_repo
 
 
 def test_the_root_package_modules_may_import_anything(untouched_report):
-    # minipar/__init__.py imports core and __main__.py imports trainer.cli: neither is a layer.
+    # minipar/__init__.py imports core and __main__.py imports cli: neither is a layer.
     assert "minipar.__main__" not in untouched_report
     assert "minipar.__init__" not in untouched_report
     assert "not listed as layers" not in untouched_report

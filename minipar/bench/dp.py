@@ -24,8 +24,8 @@ import numpy as np
 from minipar.bench.table import right_aligned
 from minipar.bench.timing import median, median_seconds, run_mpi, run_train
 from minipar.core.nn import GPT, MLPNet
+from minipar.trainer.arguments import parse_train_args
 from minipar.trainer.build import model_config
-from minipar.trainer.cli import parse_train_args
 
 DEFAULT_TRAIN_ARGS = ["--batch-size", "32"]
 

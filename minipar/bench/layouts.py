@@ -18,7 +18,7 @@ from pathlib import Path
 
 from minipar.bench.table import right_aligned
 from minipar.bench.timing import median, run_train
-from minipar.trainer.cli import parse_train_args
+from minipar.trainer.arguments import parse_train_args
 from minipar.trainer.validate import validate
 
 

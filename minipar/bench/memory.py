@@ -29,7 +29,7 @@ from minipar.memory.chunks import chunk_padding
 from minipar.memory.offload import MiB
 from minipar.parallel.zero_chunked import chunk_numel_for, tensor_sizes
 from minipar.trainer import build as hybrid
-from minipar.trainer.cli import parse_train_args
+from minipar.trainer.arguments import parse_train_args
 
 MESSAGES_ARGS = ["--precision", "fp64"]
 OFFLOAD_ARGS = ["--precision", "fp64", "--n-layer", "8", "--batch-size", "1", "--seq-len", "8"]

@@ -26,7 +26,7 @@ import numpy as np
 
 from minipar.bench.table import right_aligned
 from minipar.bench.timing import median, run_train
-from minipar.trainer.cli import parse_train_args
+from minipar.trainer.arguments import parse_train_args
 from minipar.trainer.validate import validate
 
 DEFAULT_TRAIN_ARGS = ["--batch-size", "32", "--d-model", "128", "--n-layer", "2"]

@@ -22,8 +22,8 @@ from pathlib import Path
 from minipar.bench.table import right_aligned
 from minipar.bench.timing import median, run_train
 from minipar.core.nn import Block
+from minipar.trainer.arguments import parse_train_args
 from minipar.trainer.build import model_config
-from minipar.trainer.cli import parse_train_args
 from minipar.trainer.validate import validate
 
 

@@ -23,7 +23,12 @@ and the step. The step is also the data position and the random state: a batch i
 restore every generator. What it costs: one read of every piece a rank needs, and at load time every
 rank reads the manifest and checks every file's size and SHA-256 before any collective, so a bad
 checkpoint is one error on every rank, not a hang. Every rank must see DIR (one machine, or a shared
-file system), as with PyTorch's distributed checkpoints. Lesson: lessons/12_reliability.md.
+file system), as with PyTorch's distributed checkpoints.
+
+What it needs of a run: the engine (trainer/engine.py: its cfg, grid.world, model, updater and
+loss_scaler); the updater answers `checkpoint_pieces` and `load_logical` (parallel/api.py). The model
+identity a checkpoint must match comes from the model's config (core/nn.py's GPTConfig or MLPConfig),
+passed in by the caller where no model exists yet (config validation). Lesson: lessons/12_reliability.md.
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from minipar.dist.comm import inject_fault
 from minipar.parallel.logical_state import Piece, assemble
-from minipar.trainer import build as hybrid
 
 FORMAT = "minipar-checkpoint-1"
 MANIFEST = "manifest.json"
@@ -52,10 +57,10 @@ class CheckpointError(ValueError):
 # ---- saving ----------------------------------------------------------------------------------------
 
 
-def save(directory, trainer, step: int) -> None:
-    """Write the state of `trainer` after `step` steps to `directory`. Collective over the world."""
-    directory, world = Path(directory), trainer.world
-    held = trainer.engine.updater.checkpoint_pieces()
+def save(directory, engine, step: int) -> None:
+    """Write the state of `engine` after `step` steps to `directory`. Collective over the world."""
+    directory, world = Path(directory), engine.grid.world
+    held = engine.updater.checkpoint_pieces()
     keys = {(name, kind, piece) for name, kinds in held.items() for kind, (piece, _) in kinds.items()
             if piece.full_shape != ()}  # counts (AdamW's step) go into the manifest
     counts = {name: {kind: int(count) for kind, (piece, count) in kinds.items() if piece.full_shape == ()}
@@ -68,7 +73,7 @@ def save(directory, trainer, step: int) -> None:
     size, digest = write_npz(directory / file, arrays, world.rank)
     files = world.gather_obj((file, size, digest, mine, counts))
     if world.rank == 0:
-        manifest = build_manifest(trainer, step, folder, files)
+        manifest = build_manifest(engine, step, folder, files)
         write_atomically(directory / MANIFEST, manifest_text(manifest).encode(), 0, "manifest")
         remove_old_folders(directory, keep=folder)
     world.bcast_obj(None)  # no rank returns before the checkpoint is committed
@@ -107,7 +112,7 @@ def write_atomically(path: Path, data: bytes, rank: int, phase: str) -> None:
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "wb") as f:
         f.write(data[: len(data) // 2])
-        inject_save_fault(rank, phase)  # tests: a crash with the file half written
+        inject_fault(rank, f"while saving its {phase}", save=phase)  # tests: a crash, the file half written
         f.write(data[len(data) // 2 :])
         f.flush()
         os.fsync(f.fileno())
@@ -123,17 +128,8 @@ def fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
-def inject_save_fault(rank: int, phase: str) -> None:
-    """MINIPAR_FAULT=rank:R,save:PHASE raises on rank R halfway through writing its shard file
-    (PHASE shard) or the manifest (PHASE manifest, rank 0): a save killed midway, for the tests."""
-    spec = os.environ.get("MINIPAR_FAULT", "")
-    fault = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)
-    if fault.get("rank") == str(rank) and fault.get("save") == phase:
-        raise RuntimeError(f"injected fault on rank {rank} while saving its {phase} (MINIPAR_FAULT={spec})")
-
-
-def build_manifest(trainer, step: int, folder: str, files: list) -> dict:
-    cfg, tensors = trainer.cfg, {}
+def build_manifest(engine, step: int, folder: str, files: list) -> dict:
+    cfg, tensors = engine.cfg, {}
     for file, _, _, entries, _ in files:
         for name, kind, piece in entries:
             tensor = tensors.setdefault(name, {"shape": list(piece.full_shape), "counts": {}, "pieces": {}})
@@ -148,10 +144,10 @@ def build_manifest(trainer, step: int, folder: str, files: list) -> dict:
         "format": FORMAT,
         "step": step,
         "seed": cfg.seed,
-        "model": model_identity(cfg),
-        "layout": {"world_size": trainer.world.size, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
+        "model": model_identity(cfg, engine.model.config),
+        "layout": {"world_size": engine.grid.world.size, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
                    "zero": cfg.zero, "offload": cfg.offload, "precision": cfg.precision},
-        "loss_scaler": scaler_state(trainer.engine.updater),
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "folder": folder,
         "files": {file: {"bytes": size, "sha256": digest} for file, size, digest, _, _ in files},
         "tensors": dict(sorted(tensors.items())),
@@ -172,29 +168,24 @@ def remove_old_folders(directory: Path, keep: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def model_identity(cfg) -> dict:
-    """What a checkpoint and a run must agree on: the model (so every tensor's name and shape) and the
-    optimizer (so its states). Layout and precision may differ: the tensors are re-cut and cast."""
-    model = dataclasses.asdict(hybrid.model_config(cfg))
+def model_identity(cfg, model_config) -> dict:
+    """What a checkpoint and a run must agree on: the model (its kind and config: so every tensor's name
+    and shape) and the optimizer (so its states). Layout and precision may differ: the tensors are
+    re-cut and cast, so the config's dtype is left out."""
+    model = dataclasses.asdict(model_config)
     model.pop("dtype")
     return {"model": cfg.model, **model, "optimizer": cfg.optimizer}
-
-
-def scaler_state(updater) -> dict | None:
-    """The fp16 loss scaler's state (mixed_precision.py), or None when there is none."""
-    scaler = getattr(updater.optimizer, "scaler", None)
-    return scaler.state_dict() if scaler is not None else None
 
 
 # ---- checking and loading ----------------------------------------------------------------------------
 
 
-def read_manifest(directory, cfg) -> dict:
+def read_manifest(directory, cfg, model_config) -> dict:
     """The manifest of a checkpoint this run can resume from; CheckpointError (one line) otherwise.
 
     No collective: every rank runs it and reaches the same verdict. Checks that the manifest is there
     and whole, that every file it names is there with its size and SHA-256, and that the checkpoint
-    is of this model and optimizer, at a step no later than --steps."""
+    is of this model (`model_config`) and optimizer, at a step no later than --steps."""
     directory = Path(directory)
     where = f"--resume {directory}"
     if not directory.is_dir():
@@ -209,17 +200,17 @@ def read_manifest(directory, cfg) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{where}: {MANIFEST} is not a {FORMAT} manifest")
     try:
-        check_against(manifest, directory, cfg, where)
+        check_against(manifest, directory, model_identity(cfg, model_config), cfg, where)
     except (KeyError, TypeError, AttributeError) as e:  # valid JSON, but not what save() writes
         raise CheckpointError(f"{where}: {MANIFEST} is malformed (at {e!r})") from None
     return manifest
 
 
-def check_against(manifest: dict, directory: Path, cfg, where: str) -> None:
+def check_against(manifest: dict, directory: Path, identity: dict, cfg, where: str) -> None:
     for file, expected in manifest["files"].items():
         check_file(directory / file, expected, f"{where}: {file}")
     differences = [f"{key} {manifest['model'].get(key)!r} there, {value!r} here"
-                   for key, value in model_identity(cfg).items() if manifest["model"].get(key) != value]
+                   for key, value in identity.items() if manifest["model"].get(key) != value]
     if differences:
         raise CheckpointError(f"{where}: a checkpoint of another model ({', '.join(differences)})")
     if manifest["seed"] != cfg.seed:
@@ -242,10 +233,12 @@ def check_file(path: Path, expected: dict, what: str) -> None:
         raise CheckpointError(f"{what} is corrupt: its SHA-256 differs from the manifest's")
 
 
-def problems(cfg) -> list[str]:
-    """config.validate's check of --resume: [] or the one-line reason the checkpoint is refused."""
+def problems(cfg, model_config) -> list[str]:
+    """config.validate's check of --resume: [] or the one-line reason the checkpoint is refused.
+
+    `model_config` is the config of the model `cfg` builds (trainer/build.py's model_config)."""
     try:
-        read_manifest(cfg.resume, cfg)
+        read_manifest(cfg.resume, cfg, model_config)
     except CheckpointError as e:
         return [str(e)]
     return []
@@ -277,15 +270,14 @@ class SavedState:
             file.close()
 
 
-def load(directory, trainer) -> int:
-    """Set the trainer's state from the checkpoint in `directory`; return its step. No collective."""
-    manifest = read_manifest(directory, trainer.cfg)
+def load(directory, engine) -> int:
+    """Set the engine's state from the checkpoint in `directory`; return its step. No collective."""
+    manifest = read_manifest(directory, engine.cfg, engine.model.config)
     state = SavedState(Path(directory), manifest)
     try:
-        trainer.engine.updater.load_logical(state)
+        engine.updater.load_logical(state)
     finally:
         state.close()
-    scaler = getattr(trainer.engine.updater.optimizer, "scaler", None)
-    if scaler is not None and manifest["loss_scaler"] is not None:
-        scaler.load_state_dict(manifest["loss_scaler"])
+    if engine.loss_scaler is not None and manifest["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
     return manifest["step"]

@@ -31,6 +31,7 @@ synchronisation, or the device arrays themselves when MPI is CUDA-aware (lessons
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -311,6 +312,19 @@ def install_excepthook() -> None:
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_job
+
+
+def inject_fault(rank: int, what: str, **where) -> None:
+    """Raise on `rank` if MINIPAR_FAULT names this place: tests that a job losing a rank ends cleanly.
+
+    MINIPAR_FAULT=rank:R,step:S raises on rank R at step S (trainer/loop.py: where = step=S);
+    rank:R,save:PHASE raises on rank R halfway through writing its checkpoint file (PHASE shard) or the
+    manifest (PHASE manifest, checkpoint/sharded.py: where = save=PHASE). `what` says where, in the error."""
+    spec = os.environ.get("MINIPAR_FAULT", "")
+    fault = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)
+    named = {"rank": rank, **where}
+    if where and all(fault.get(key) == str(value) for key, value in named.items()):
+        raise RuntimeError(f"injected fault on rank {rank} {what} (MINIPAR_FAULT={spec})")
 
 
 def wait_for_everyone(mpi_comm, nap_s: float = 0.001) -> None:

@@ -13,7 +13,7 @@ What it costs: memory and communication. Every rank keeps a full copy of params,
 state, and sends 2(N-1)/N x the gradient bytes per step (ring all-reduce), however many
 micro-batches it accumulates first: the all-reduce runs once, after the last one.
 
-The loss each rank differentiates is already divided by the *global* count (engine.py), so the
+The loss each rank differentiates is already divided by the *global* count (trainer/engine.py), so the
 gradients are summed, not averaged: the sum is exactly the single-process gradient, and equals
 PyTorch's average of per-rank means when all slices are the same size.
 Lesson: lessons/03_data_parallel.md.
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from minipar.core.backend import xp_of
 from minipar.memory.offload import MiB
+from minipar.parallel.api import LocalUpdater
 from minipar.parallel.flat_units import check_replicas_identical, unflatten
-from minipar.trainer.engine import LocalUpdater
 
 
 def plan_buckets(params, bucket_bytes: int) -> list[list]:

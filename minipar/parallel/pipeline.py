@@ -26,6 +26,7 @@ import numpy as np
 from minipar.core import backend
 from minipar.core.autograd import Tensor
 from minipar.core.nn import Module
+from minipar.parallel.api import Runner
 from minipar.parallel.schedules import build_schedule, check_schedule
 
 
@@ -110,13 +111,13 @@ def bubble_formula(stages: int, microbatches: int) -> Fraction:
     return Fraction(stages - 1, microbatches + stages - 1)
 
 
-class PipelineRunner:
+class PipelineRunner(Runner):
     """Runs this stage's actions of a schedule over the micro-batches of one batch.
 
     Activations and gradients cross stage boundaries with non-blocking sends and blocking receives:
     a rank never waits on its own sends, so any schedule the simulator can run cannot deadlock here
     (a blocking send of a large message would: in 1F1B two neighbours may both be sending).
-    `last_timing` holds the measured busy and idle time of the last step, gathered over stages.
+    `timing()` is the measured busy and idle time of the last step, gathered over stages.
     """
 
     def __init__(self, stage: PipelineStage, comm, schedule: str, microbatches: int, width: int, dtype):
@@ -129,6 +130,10 @@ class PipelineRunner:
         self.in_flight, self.pending_sends, self.loss_sum = {}, [], 0.0
         self.compute_s = {"F": 0.0, "B": 0.0}
         self.last_timing: dict = {}
+
+    def timing(self) -> dict | None:
+        """The last step's busy and idle time of every stage and the bubble (None before a step)."""
+        return self.last_timing or None
 
     @property
     def is_first(self) -> bool:

@@ -27,11 +27,12 @@ from __future__ import annotations
 from minipar.core import autograd
 from minipar.memory.ledger import buffer_meter
 from minipar.memory.planner import STAGES as STAGES  # --zero's choices: 0 (DP), 1-2 here, 3 in zero3.py
+from minipar.parallel.api import Updater
 from minipar.parallel.flat_units import check_replicas_identical, units_of
 from minipar.parallel.logical_state import flat_unit_buffer, flat_unit_pieces
 
 
-class ZeroStage1:
+class ZeroStage1(Updater):
     """Updater: optimizer states partitioned; full gradients reduce-scattered at the step."""
 
     def __init__(self, model, optimizer, comm):

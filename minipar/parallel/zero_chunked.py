@@ -29,13 +29,14 @@ from minipar.core.nn import shard_of
 from minipar.memory.chunks import TensorState, pack_in_chunks, search_chunk_size
 from minipar.memory.ledger import buffer_meter, tier_meter
 from minipar.memory.offload import MiB, TieredStore
+from minipar.parallel.api import Updater
 from minipar.parallel.flat_units import check_replicas_identical, units_of
 from minipar.parallel.logical_state import flat_pieces
 
 S = TensorState
 
 
-class ChunkedZero3:
+class ChunkedZero3(Updater):
     """Updater and model wrapper: ZeRO-3 whose unit of communication and of offload is the chunk."""
 
     def __init__(self, model, optimizer, comm, chunk_numel: int, budget_bytes: float | None = None,
@@ -185,7 +186,6 @@ class ChunkedZero3:
         """{category: {tier: bytes}} of the blocks after the step (gathered chunks are buffers, live)."""
         return self.store.placement()
 
-    @property
     def tier_traffic(self) -> dict | None:
         """The last step's bytes moved between tiers (the train log's "offload")."""
         return self.store.last_step

@@ -1,10 +1,18 @@
 """Build the engine of one rank for any layout: TP inside a stage, PP across stages, DP (or ZeRO)
-across replicas of the pipeline.
+across replicas of the pipeline. The one place that composes a layout.
 
-The process grid (comm.ProcessGrid) puts tp fastest-varying, so tensor-parallel ranks are neighbours
-("TP inside a node"), then pp, then dp. Each technique contributes one part of the engine:
-tensor.py the layers of the model, pipeline.py which units a stage keeps and how micro-batches flow,
-data.py / zero.py how gradients are combined across replicas. Lesson: lessons/07_3d.md.
+The process grid (dist/comm.py's ProcessGrid) puts tp fastest-varying, so tensor-parallel ranks are
+neighbours ("TP inside a node"), then pp, then dp. Each part of the engine is chosen by the config in
+a function of its own, from the techniques in minipar/parallel:
+
+    build_model      the parameters this rank holds: tensor_gpt.py's layers, pipeline.py's stage
+    build_optimizer  SGD or AdamW (fused or not)
+    build_runner     pipeline.py's schedule over stages, or api.py's micro-batch loop
+    build_updater    how gradients are combined across replicas: ddp.py, zero.py, zero3.py,
+                     zero_chunked.py, or api.py's plain step
+    build_engine     the three, wrapped by precision/mixed.py for bf16 and fp16
+
+Lesson: lessons/07_3d.md.
 """
 
 from __future__ import annotations
@@ -13,17 +21,19 @@ from minipar.core import optim
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet
 from minipar.fusion import training as fused_training
 from minipar.parallel import pipeline
+from minipar.parallel.api import LocalUpdater, MicrobatchRunner
 from minipar.parallel.ddp import DistributedDataParallel
 from minipar.parallel.tensor_gpt import TensorParallelGPT
 from minipar.parallel.zero import ZeroStage1, ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
 from minipar.parallel.zero_chunked import build_chunked_zero3
 from minipar.precision import mixed as mixed_precision
-from minipar.trainer.engine import Engine, LocalUpdater, MicrobatchRunner
+from minipar.trainer.engine import Engine
 from minipar.trainer.tasks import AdditionTask
 
 
 def model_config(cfg):
+    """The architecture `cfg` asks for (core/nn.py's GPTConfig or MLPConfig)."""
     if cfg.model == "gpt":
         return GPTConfig(vocab_size=AdditionTask.vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
                          n_head=cfg.n_head, d_model=cfg.d_model, dtype=cfg.dtype)
@@ -52,18 +62,26 @@ def build_optimizer(cfg, params):
     return optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, update_rule=update_rule)
 
 
+def chunked(cfg) -> bool:
+    """--offload, --chunk-mb and --device-mem-mb each select chunked ZeRO-3 (zero_chunked.py)."""
+    return cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None
+
+
 def build_runner(cfg, grid, model):
+    """Forward and backward: through the pipeline's stages (--pp > 1), or micro-batch after micro-batch."""
     if cfg.pp > 1:
         return pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model, cfg.dtype)
     return MicrobatchRunner(model, cfg.microbatches)
 
 
 def build_updater(cfg, grid, model, scaler=None):
+    """The step across data-parallel replicas: chunked ZeRO-3, ZeRO 1-3, DDP, or a plain step (dp=1)."""
+
     def optimizer_of(params):  # fp16: inside a loss-scaling optimizer (`scaler`, or PyTorch's defaults)
         return mixed_precision.loss_scaling_optimizer(cfg, build_optimizer(cfg, params), grid.world, scaler)
 
-    if cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None:
-        return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # chunked_zero.py
+    if chunked(cfg):
+        return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # parallel/zero_chunked.py
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
         stage = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}[cfg.zero]
         return stage(model, optimizer_of([]), grid.dp)
@@ -80,4 +98,10 @@ def build_engine(cfg, grid) -> Engine:
     # bf16/fp16: 16-bit working weights and activations over the fp32 masters (and, for fp16, the loss
     # scaled by the updater's loss-scaling optimizer)
     runner = mixed_precision.wrap_runner(cfg, model, runner, updater.optimizer)
-    return Engine(cfg, grid, model, runner, updater)
+    return Engine(cfg, grid, model, runner, updater, loss_scaler_of(updater))
+
+
+def loss_scaler_of(updater):
+    """The fp16 dynamic loss scaler inside the updater's optimizer (the checkpoint saves it), or None."""
+    optimizer = updater.optimizer
+    return optimizer.scaler if isinstance(optimizer, mixed_precision.LossScalingOptimizer) else None

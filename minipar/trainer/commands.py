@@ -1,4 +1,4 @@
-"""`minipar plan` and `minipar schedule`: the commands that print the planner's and the schedules' numbers.
+"""`minipar train`, `minipar plan` and `minipar schedule`: each command's main(argv) -> exit code.
 
 memory/planner.py holds ZeRO's memory formulas and parallel/schedules.py the schedules as data; this
 module parses a command's options, checks them (one line and exit code 2 on a mistake, like every
@@ -14,7 +14,29 @@ from fractions import Fraction
 
 from minipar.memory import planner
 from minipar.parallel import schedules
-from minipar.trainer.arguments import OneLineParser
+from minipar.trainer.arguments import OneLineParser, fail, parse_train_args
+from minipar.trainer.validate import validate
+
+# ---- minipar train ----------------------------------------------------------------------------------
+
+
+def train_main(argv: list[str]) -> int:
+    """Parse and validate on every rank (no collective before the verdict), then train."""
+    cfg = parse_train_args(argv)
+    from mpi4py import MPI
+
+    world_size = MPI.COMM_WORLD.Get_size()
+    errors = validate(cfg, world_size)
+    if errors:
+        return fail("minipar train", "; ".join(errors))
+    from minipar.dist.comm import install_excepthook, wait_for_everyone
+    from minipar.trainer import loop as train
+
+    install_excepthook()
+    train.train(cfg.resolved(world_size))
+    wait_for_everyone(MPI.COMM_WORLD)  # e.g. while rank 0 alone runs --check-reference
+    return 0
+
 
 # ---- minipar plan ------------------------------------------------------------------------------------
 

@@ -4,9 +4,10 @@
     runner   forward and backward over the micro-batches of this rank's slice of the global batch
     updater  turns this rank's gradients into the next parameters (optimizer; DDP or ZeRO syncs first)
 
-Every layout is a choice of these three (parallel/hybrid.py makes it); the single-process pieces are
-here. Gradients are *sums* over this rank's samples of a loss already divided by the global count, so
-summing them over data-parallel ranks gives exactly the single-process gradient.
+Every layout is a choice of these three (trainer/build.py makes it); the runner and the updater are
+written down as interfaces in parallel/api.py, with the single-process parts beside them. Gradients
+are *sums* over this rank's samples of a loss already divided by the global count, so summing them
+over data-parallel ranks gives exactly the single-process gradient.
 Lesson: lessons/03_data_parallel.md and lessons/07_3d.md.
 """
 
@@ -14,59 +15,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from minipar.core import autograd, backend
-from minipar.parallel.logical_state import load_whole, whole_pieces
+from minipar.parallel.api import Runner, Updater
+from minipar.precision.formats import DynamicLossScaler
 from minipar.trainer.tasks import local_slice
 
 
-class MicrobatchRunner:
-    """Forward and backward micro-batch after micro-batch; gradients accumulate in `.grad`."""
-
-    def __init__(self, model, microbatches: int):
-        self.model, self.microbatches = model, microbatches
-
-    def forward_backward(self, inputs, targets, normaliser: int) -> float:
-        total, to_device = 0.0, backend.current().from_host  # the batch is made on the host
-        pieces = zip(np.array_split(inputs, self.microbatches), np.array_split(targets, self.microbatches))
-        for x, y in pieces:
-            loss = self.model.loss(self.model(to_device(x)), to_device(y), normaliser)
-            loss.backward()
-            total += loss.item()
-        return total
-
-
-class LocalUpdater:
-    """A plain optimizer step: nothing to synchronise."""
-
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def step(self):
-        with autograd.no_grad():
-            self.optimizer.step()
-
-    def memory(self) -> dict:
-        params = self.model.parameters()
-        return {
-            "params": sum(p.data.nbytes for p in params),
-            "grads": sum(p.grad.nbytes for p in params if p.grad is not None),
-            "optimizer": self.optimizer.state_bytes(),
-        }
-
-    def checkpoint_pieces(self) -> dict:
-        """{name: {kind: (Piece, array)}}: the parameters this rank holds and their optimizer state."""
-        return whole_pieces(self.model.named_parameters(), self.optimizer)
-
-    def load_logical(self, state) -> None:
-        """Take the parameters and optimizer state from a checkpoint's logical tensors (checkpoint.py)."""
-        load_whole(self.model.named_parameters(), self.optimizer, state)
-
-
 class Engine:
-    """Runs one global step on this rank and returns the global mean loss (on every rank)."""
+    """Runs one global step on this rank and returns the global mean loss (on every rank).
 
-    def __init__(self, cfg, grid, model, runner, updater):
+    `loss_scaler` is fp16's dynamic loss scaler (None without one): the checkpoint saves its state."""
+
+    def __init__(self, cfg, grid, model, runner: Runner, updater: Updater,
+                 loss_scaler: DynamicLossScaler | None = None):
         self.cfg, self.grid, self.model, self.runner, self.updater = cfg, grid, model, runner, updater
+        self.loss_scaler = loss_scaler
 
     def normaliser(self, targets) -> int:
         """The global count the summed loss is divided by: tokens for the GPT, samples for the MLP."""
@@ -89,12 +51,6 @@ class Engine:
         if grid.pp_rank == grid.pp.size - 1:
             local_loss = grid.dp.allreduce_obj(local_loss)
         return grid.pp.bcast_obj(local_loss, root=grid.pp.size - 1)
-
-
-def local_state(model) -> dict:
-    """{name: (shard, array)} for every parameter this rank holds, shards described by `Parameter.shard`."""
-    to_host = backend.current().to_host
-    return {name: (p.shard, np.array(to_host(p.data))) for name, p in model.named_parameters()}
 
 
 def assemble_full_state(pieces: list[dict]) -> dict:

@@ -9,35 +9,25 @@ Lesson: lessons/00_overview.md.
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import numpy as np
 
 from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend
-from minipar.dist.comm import Comm, ProcessGrid, node_local_rank
+from minipar.dist.comm import Comm, ProcessGrid, inject_fault, node_local_rank
 from minipar.memory.ledger import MemoryLedger
-from minipar.trainer import build as hybrid
-from minipar.trainer import report
+from minipar.trainer import build, report
 from minipar.trainer.config import TrainConfig
-from minipar.trainer.engine import assemble_full_state, local_state
+from minipar.trainer.engine import assemble_full_state
 from minipar.trainer.tasks import AdditionTask, RegressionTask
 
 
 def make_task(cfg: TrainConfig):
     if cfg.model == "gpt":
         return AdditionTask(cfg.seq_len, cfg.seed)
-    mcfg = hybrid.model_config(cfg)
+    mcfg = build.model_config(cfg)
     return RegressionTask(mcfg.d_in, mcfg.d_out, cfg.seed)
-
-
-def inject_fault(rank: int, step: int):
-    """Raise on the rank and at the step named by MINIPAR_FAULT=rank:R,step:S (tests that a job aborts)."""
-    spec = os.environ.get("MINIPAR_FAULT", "")
-    fault = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)  # checkpoint.py reads save:
-    if fault.get("rank") == str(rank) and fault.get("step") == str(step):
-        raise RuntimeError(f"injected fault on rank {rank} at step {step} (MINIPAR_FAULT={spec})")
 
 
 class Trainer:
@@ -52,12 +42,12 @@ class Trainer:
         self.world = Comm(world)
         self.grid = ProcessGrid(self.world, cfg.dp, cfg.pp, cfg.tp)
         self.memory = MemoryLedger()
-        self.engine = hybrid.build_engine(cfg, self.grid)
+        self.engine = build.build_engine(cfg, self.grid)
         if self.is_rank0 and not cfg.quiet and self.world.size > 1:
             print(self.grid.describe(), flush=True)
         self.task = make_task(cfg)
         # --resume: the state of step N from a checkpoint of any layout; the run continues at step N
-        self.start_step = checkpoint.load(cfg.resume, self) if cfg.resume else 0
+        self.start_step = checkpoint.load(cfg.resume, self.engine) if cfg.resume else 0
         self.records = []
 
     @property
@@ -65,7 +55,7 @@ class Trainer:
         return self.world.rank == 0
 
     def step(self, step: int) -> dict:
-        inject_fault(self.world.rank, step)
+        inject_fault(self.world.rank, f"at step {step}", step=step)  # MINIPAR_FAULT: tests that a job aborts
         cfg, traffic = self.cfg, self.world.ledger
         inputs, targets = self.task.global_batch(step, cfg.batch_size)
         traffic.start_step()
@@ -86,15 +76,12 @@ class Trainer:
             "mem": self.memory.report(),
             "comm": traffic.step_report(),
         }
-        pipeline_timing = getattr(self.engine.runner, "last_timing", None)
-        if pipeline_timing:  # measured busy/idle time of the stages and the bubble (pipeline.py)
-            record["pipeline"] = pipeline_timing
-        tier_traffic = getattr(self.engine.updater, "tier_traffic", None)
-        if tier_traffic:  # bytes moved between device, cpu and disk this step (chunked_zero.py)
-            record["offload"] = tier_traffic
-        loss_scaling = getattr(self.engine.runner, "log_record", lambda: None)()
-        if loss_scaling:  # fp16: this step's loss scale and whether it was skipped (mixed_precision.py)
-            record["loss_scaling"] = loss_scaling
+        optional = {  # in the log only where the layout has them
+            "pipeline": self.engine.runner.timing(),  # busy/idle time of the stages, bubble (pipeline.py)
+            "offload": self.engine.updater.tier_traffic(),  # bytes device <-> cpu <-> disk (zero_chunked.py)
+            "loss_scaling": self.engine.runner.log_record(),  # fp16: the scale, whether skipped (mixed.py)
+        }
+        record.update((key, value) for key, value in optional.items() if value)
         return record
 
     def run(self) -> list[dict]:
@@ -111,7 +98,7 @@ class Trainer:
             if log:
                 log.close()
         if self.cfg.save:
-            checkpoint.save(self.cfg.save, self, self.cfg.steps)
+            checkpoint.save(self.cfg.save, self.engine, self.cfg.steps)
         return self.records
 
     def progress(self, record: dict):
@@ -123,12 +110,8 @@ class Trainer:
 
     def full_state(self) -> dict | None:
         """Every logical parameter reassembled from the shards on all ranks (on rank 0; None elsewhere)."""
-        pieces = self.world.gather_obj(self.engine_local_state(), root=0)
+        pieces = self.world.gather_obj(self.engine.updater.local_state(), root=0)  # collective under ZeRO-3
         return assemble_full_state(pieces) if self.is_rank0 else None
-
-    def engine_local_state(self) -> dict:
-        full_params = getattr(self.engine.updater, "local_state", None)
-        return full_params() if full_params else local_state(self.engine.model)
 
 
 def reference_run(cfg: TrainConfig):
@@ -141,7 +124,7 @@ def reference_run(cfg: TrainConfig):
     trainer = Trainer(ref_cfg, MPI.COMM_SELF)
     records = trainer.run()
     trainer.memory.close()
-    return [r["loss"] for r in records], dict(local_state(trainer.engine.model))
+    return [r["loss"] for r in records], trainer.engine.updater.local_state()
 
 
 def relative_deviation(value, reference) -> float:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from minipar.trainer.build import chunked
+
 MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations_peak", "buffers_peak", "device_peak")
 
 
@@ -47,8 +49,7 @@ def pipeline_line(records: list[dict]) -> list[str]:
 
 def zero_stage(cfg) -> str:
     """Chunked offload is ZeRO-3 over chunks, whatever --zero said (0 or 3)."""
-    chunked = cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None
-    return f"3 (chunked, offload {cfg.offload})" if chunked else str(cfg.zero)
+    return f"3 (chunked, offload {cfg.offload})" if chunked(cfg) else str(cfg.zero)
 
 
 def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None) -> str:

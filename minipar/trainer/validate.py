@@ -17,7 +17,7 @@ from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend
 from minipar.parallel import tensor, zero_chunked
 from minipar.precision import mixed
-from minipar.trainer.build import build_model, build_optimizer
+from minipar.trainer.build import build_model, build_optimizer, model_config
 from minipar.trainer.config import TrainConfig
 
 
@@ -118,7 +118,7 @@ def _paths(cfg: TrainConfig) -> list[str]:
         errors += _writable("--save", cfg.save, existing)  # missing folders are created
     if errors or cfg.resume is None:
         return errors
-    return checkpoint.problems(cfg)
+    return checkpoint.problems(cfg, model_config(cfg))
 
 
 def _writable(option: str, path: str, folder: Path) -> list[str]:

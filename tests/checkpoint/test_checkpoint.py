@@ -64,7 +64,7 @@ def run(cfg: TrainConfig, comm=MPI.COMM_SELF, loss_scale=None):
     """(records, full weights on the comm's rank 0) of a run in cfg's layout over comm."""
     trainer = train.Trainer(cfg.resolved(comm.Get_size()), comm)
     if loss_scale:  # fp16: start the scaler at this scale
-        scaler = trainer.engine.updater.optimizer.scaler
+        scaler = trainer.engine.loss_scaler
         scaler.load_state_dict({**scaler.state_dict(), "scale": loss_scale})
     try:
         records = trainer.run()

@@ -132,7 +132,7 @@ def test_missing_cupy_or_gpu_is_one_clear_line(monkeypatch):
 
 
 def run_cli(argv: list[str], env: dict, ranks: int = 1) -> subprocess.CompletedProcess:
-    program = HIDE_CUPY + f"from minipar.trainer.cli import main\nsys.exit(main({argv!r}))\n"
+    program = HIDE_CUPY + f"from minipar.cli import main\nsys.exit(main({argv!r}))\n"
     command = [sys.executable, "-c", program]
     if ranks > 1:
         command = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), *command]

@@ -17,6 +17,7 @@ from mpi_harness import mpi_given, mpi_test, needs_world_size
 
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet
 from minipar.dist.comm import Comm
+from minipar.parallel.api import MicrobatchRunner
 from minipar.parallel.pipeline import (
     PipelineRunner,
     PipelineStage,
@@ -28,7 +29,6 @@ from minipar.parallel.pipeline import (
 from minipar.parallel.schedules import bubble_fraction, build_schedule, simulate
 from minipar.parallel.tensor_gpt import TensorParallelGPT
 from minipar.trainer.config import TrainConfig
-from minipar.trainer.engine import MicrobatchRunner
 from minipar.trainer.loop import Trainer, compare_with_reference
 from minipar.trainer.validate import validate
 
@@ -144,7 +144,7 @@ def test_one_stage_runner_equals_the_plain_loop(schedule, model_kind):
     grads = dict(plain.named_parameters())
     for name, p in piped.named_parameters():
         np.testing.assert_allclose(p.grad, grads[name].grad, rtol=1e-10, atol=1e-14)
-    assert runner.last_timing["bubble_formula"] == 0.0
+    assert runner.timing()["bubble_formula"] == 0.0
     assert runner.comm.ledger.step_report()["sent_bytes"] == 0
 
 

@@ -21,6 +21,7 @@ from mpi_harness import mpi_given, mpi_test
 from minipar.bench import precision as precision_bench
 from minipar.core.autograd import Function
 from minipar.dist.comm import Comm, ProcessGrid, shard_bounds
+from minipar.parallel.api import MicrobatchRunner
 from minipar.parallel.ddp import flatten
 from minipar.parallel.flat_units import check_replicas_identical
 from minipar.precision import mixed as mixed_precision
@@ -28,7 +29,7 @@ from minipar.precision.formats import DynamicLossScaler, round_to_bf16, round_to
 from minipar.trainer import build as hybrid
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
-from minipar.trainer.engine import Engine, MicrobatchRunner
+from minipar.trainer.engine import Engine
 from minipar.trainer.validate import validate
 
 ROUND = {"bf16": round_to_bf16, "fp16": round_to_fp16}

@@ -15,8 +15,8 @@ import pytest
 from minipar.core import backend
 from minipar.parallel.schedules import build_schedule
 from minipar.precision.formats import Precision
+from minipar.trainer.arguments import parse_train_args, train_parser
 from minipar.trainer.build import build_optimizer
-from minipar.trainer.cli import parse_train_args, train_parser
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.validate import validate
 

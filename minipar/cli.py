@@ -1,0 +1,31 @@
+"""`python -m minipar train | plan | schedule | bench` (also the console script `minipar`).
+
+The command line's front door, above every layer (bench included): it only dispatches. Bad input ends
+every rank with one line naming the problem and exit code 2, before any collective: every rank parses
+and validates the same arguments on its own, so no rank waits for another. Lesson: lessons/00_overview.md.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from minipar.bench import registry
+from minipar.trainer import commands
+from minipar.trainer.arguments import fail
+
+COMMANDS = {
+    "train": commands.train_main,
+    "plan": commands.plan_main,
+    "schedule": commands.schedule_main,
+    "bench": registry.main,
+}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in COMMANDS:
+        if argv and argv[0] in ("-h", "--help"):
+            print(f"usage: minipar {{{','.join(COMMANDS)}}} [options]   (minipar COMMAND --help for details)")
+            return 0
+        return fail("minipar", f"choose a command: {', '.join(COMMANDS)}")
+    return COMMANDS[argv[0]](argv[1:])

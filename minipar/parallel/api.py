@@ -1,0 +1,112 @@
+"""The two replaceable parts of an engine, written down: what a Runner and an Updater must do.
+
+An engine (trainer/engine.py) is one rank's model plus two parts that every technique replaces:
+
+    Runner   forward and backward over this rank's micro-batches; gradients accumulate in `.grad`
+             (MicrobatchRunner here, pipeline.PipelineRunner, precision.mixed.MixedPrecisionRunner)
+    Updater  turns this rank's gradients into the next parameters, syncing them first where the
+             technique needs to (LocalUpdater here, ddp, zero, zero3, zero_chunked)
+
+Each interface is a `typing.Protocol` that also carries defaults: any object with these methods
+satisfies it (`isinstance` checks at run time), and a class that derives from it explicitly inherits
+the defaults and must define what is abstract. The trainer and the checkpoint call these methods and
+nothing else, so a new technique plugs in by implementing them, without the trainer probing for
+optional attributes. Methods marked *collective* must be called on every rank of their communicator.
+
+This file also holds the single-process parts, the plainest implementation of each interface.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from minipar.core import autograd, backend
+from minipar.parallel.logical_state import load_whole, whole_pieces
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """Forward and backward over this rank's share of a batch."""
+
+    @abstractmethod
+    def forward_backward(self, inputs, targets, normaliser: int) -> float:
+        """Accumulate the gradients of this slice's loss (divided by the global `normaliser`); return the
+        summed loss (0.0 on pipeline stages that have none). Collective in pipeline parallelism."""
+
+    def timing(self) -> dict | None:
+        """The last step's measured pipeline timing (busy, idle, bubble) for the train log, or None."""
+        return None
+
+    def log_record(self) -> dict | None:
+        """The last step's loss scaling (scale, skipped) for the train log, or None without fp16 scaling."""
+        return None
+
+
+@runtime_checkable
+class Updater(Protocol):
+    """The optimizer step of this rank, and the model states it holds.
+
+    The defaults are those of a rank that holds its parameters (`self.model`) whole or as a
+    tensor-parallel shard, with the optimizer's state for them (`self.optimizer`). An updater that
+    partitions them (ZeRO) overrides every method but `tier_traffic`."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    @abstractmethod
+    def step(self) -> None:
+        """Turn the accumulated gradients into the next parameters. Collective where gradients are synced."""
+
+    def memory(self) -> dict:
+        """Model-state bytes held after the step: {category: bytes}, or {category: {tier: bytes}}."""
+        params = self.model.parameters()
+        return {
+            "params": sum(p.data.nbytes for p in params),
+            "grads": sum(p.grad.nbytes for p in params if p.grad is not None),
+            "optimizer": self.optimizer.state_bytes(),
+        }
+
+    def checkpoint_pieces(self) -> dict:
+        """{name: {kind: (Piece, array)}}: the parameters this rank holds and their optimizer state."""
+        return whole_pieces(self.model.named_parameters(), self.optimizer)
+
+    def load_logical(self, state) -> None:
+        """Take this rank's parameters and optimizer state from a checkpoint's logical tensors."""
+        load_whole(self.model.named_parameters(), self.optimizer, state)
+
+    def local_state(self) -> dict:
+        """{name: (tensor-parallel shard or None, host array)}: every parameter this rank's model has, whole
+        across data-parallel ranks. Collective over them where the parameters are partitioned (ZeRO-3)."""
+        to_host = backend.current().to_host
+        return {name: (p.shard, np.array(to_host(p.data))) for name, p in self.model.named_parameters()}
+
+    def tier_traffic(self) -> dict | None:
+        """The last step's bytes moved between device, CPU and disk (offload), or None without tiers."""
+        return None
+
+
+class MicrobatchRunner(Runner):
+    """Forward and backward micro-batch after micro-batch, on this rank's whole model."""
+
+    def __init__(self, model, microbatches: int):
+        self.model, self.microbatches = model, microbatches
+
+    def forward_backward(self, inputs, targets, normaliser: int) -> float:
+        total, to_device = 0.0, backend.current().from_host  # the batch is made on the host
+        pieces = zip(np.array_split(inputs, self.microbatches), np.array_split(targets, self.microbatches))
+        for x, y in pieces:
+            loss = self.model.loss(self.model(to_device(x)), to_device(y), normaliser)
+            loss.backward()
+            total += loss.item()
+        return total
+
+
+class LocalUpdater(Updater):
+    """A plain optimizer step: nothing to synchronise."""
+
+    def step(self) -> None:
+        with autograd.no_grad():
+            self.optimizer.step()
