@@ -28,7 +28,7 @@ from minipar.bench.timing import median, run_train
 from minipar.memory.chunks import chunk_padding
 from minipar.memory.offload import MiB
 from minipar.parallel.zero_chunked import chunk_numel_for, tensor_sizes
-from minipar.trainer import build as hybrid
+from minipar.trainer import build
 from minipar.trainer.arguments import parse_train_args
 
 MESSAGES_ARGS = ["--precision", "fp64"]
@@ -38,7 +38,7 @@ OFFLOAD_ARGS = ["--precision", "fp64", "--n-layer", "8", "--batch-size", "1", "-
 def chunk_layout(train_args: list[str], ranks: int) -> tuple[int, int, int]:
     """(elements per chunk, chunks, padding elements) that these arguments give on `ranks` ranks."""
     cfg = parse_train_args(train_args).replace(dp=ranks)
-    model = hybrid.build_model(cfg.replace(dp=1), None)
+    model = build.build_model(cfg.replace(dp=1), None)
     sizes = tensor_sizes(model)
     numel = chunk_numel_for(cfg, model, ranks)
     padding = int(chunk_padding(sizes, [numel])[0])

@@ -1,7 +1,7 @@
 """`python -m minipar bench precision`: fp16's narrow window, and what loss scaling does about it.
 
 fp16 holds magnitudes from 6e-8 to 65504; bf16 (like fp32) from 1e-40 to 3e38. Two experiments train
-the same MLPNet regression single-process with the real engine (hybrid.py's model, runner and
+the same MLPNet regression single-process with the real engine (trainer/build.py's model, runner and
 updater, wrapped by mixed_precision.py) in fp32, bf16, fp16 without loss scaling and fp16 with the
 dynamic loss scaler. Each changes only the *size* of the numbers, in a way that leaves training in
 exact arithmetic unchanged, and so shows what the format alone does:
@@ -33,7 +33,7 @@ import numpy as np
 from minipar.dist.comm import Comm, ProcessGrid
 from minipar.precision import mixed as mixed_precision
 from minipar.precision.formats import DynamicLossScaler
-from minipar.trainer import build as hybrid
+from minipar.trainer import build
 from minipar.trainer.arguments import OneLineParser
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.engine import Engine
@@ -57,15 +57,15 @@ class LargerBatchEngine(Engine):
 
 
 def build_engine(cfg: TrainConfig, precision: str, scaler_options, loss_divisor: float) -> LargerBatchEngine:
-    """hybrid.build_engine on one process, with this precision, loss scaler and loss divisor."""
+    """build.build_engine on one process, with this precision, loss scaler and loss divisor."""
     from mpi4py import MPI
 
     cfg = cfg.replace(precision=precision, loss_scaling=scaler_options is not None)
     scaler = DynamicLossScaler(**scaler_options) if scaler_options is not None else None
     grid = ProcessGrid(Comm(MPI.COMM_SELF), 1, 1, 1)
-    model = hybrid.build_model(cfg, grid)
-    updater = hybrid.build_updater(cfg, grid, model, scaler)
-    runner = mixed_precision.wrap_runner(cfg, model, hybrid.build_runner(cfg, grid, model), updater.optimizer)
+    model = build.build_model(cfg, grid)
+    updater = build.build_updater(cfg, grid, model, scaler)
+    runner = mixed_precision.wrap_runner(cfg, model, build.build_runner(cfg, grid, model), updater.optimizer)
     return LargerBatchEngine(cfg, grid, model, runner, updater, loss_divisor)
 
 

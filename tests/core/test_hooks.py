@@ -27,7 +27,7 @@ from minipar.parallel.zero import ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
 from minipar.parallel.zero_chunked import ChunkedZero3
 from minipar.precision.mixed import LossScalingOptimizer
-from minipar.trainer import build as hybrid
+from minipar.trainer import build
 from minipar.trainer.config import TrainConfig
 
 
@@ -276,8 +276,8 @@ def test_the_chunked_store_relieves_ahead_of_ledgers_and_leaves_with_its_engine(
 def test_fp16_builds_the_updater_with_its_loss_scaling_optimizer_and_fused_adamw_by_argument():
     grid = ProcessGrid(Comm(MPI.COMM_SELF), 1, 1, 1)
     cfg = TrainConfig(model="mlp", n_layer=2, d_model=8, quiet=True, dp=1)
-    fp16 = hybrid.build_updater(cfg.replace(precision="fp16"), grid, hybrid.build_model(cfg, grid))
-    bf16 = hybrid.build_updater(cfg.replace(precision="bf16"), grid, hybrid.build_model(cfg, grid))
+    fp16 = build.build_updater(cfg.replace(precision="fp16"), grid, build.build_model(cfg, grid))
+    bf16 = build.build_updater(cfg.replace(precision="bf16"), grid, build.build_model(cfg, grid))
     assert isinstance(fp16.optimizer, LossScalingOptimizer) and not isinstance(bf16.optimizer,
                                                                                LossScalingOptimizer)
     assert optim.AdamW([], update_rule=fused_training.adamw_update).update_rule is fused_training.adamw_update

@@ -29,7 +29,7 @@ from minipar.memory.chunks import (
 from minipar.memory.ledger import buffer_meter
 from minipar.parallel.flat_units import padded_numel
 from minipar.parallel.zero_chunked import ChunkedZero3, chunk_numel_for, device_bytes_needed
-from minipar.trainer import build as hybrid
+from minipar.trainer import build
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.validate import validate
@@ -61,7 +61,7 @@ def tight_budget_mb(cfg, comm) -> float:
     figure), the activation peak of the same run measured without offload, and one block to spare."""
     probe = train.Trainer(cfg.replace(offload="none", chunk_mb=None, device_mem_mb=None, zero=0, steps=1),
                           comm.mpi).run()[0]["mem"]
-    model = hybrid.build_model(cfg.replace(dp=1, offload="none", chunk_mb=None, device_mem_mb=None), None)
+    model = build.build_model(cfg.replace(dp=1, offload="none", chunk_mb=None, device_mem_mb=None), None)
     chunk_numel = chunk_numel_for(cfg, model, comm.size)
     rows = 4 if cfg.optimizer == "adamw" else 3  # parameters, gradients and Adam's two moments, or momentum
     block = rows * chunk_numel // comm.size * 8
@@ -131,7 +131,7 @@ def test_a_chunk_smaller_than_a_tensor_is_refused_with_its_name():
 
 def test_the_search_pads_the_default_gpt_far_less_than_chunks_of_its_largest_tensor():
     cfg = TrainConfig(dp=4)
-    model = hybrid.build_model(cfg.replace(dp=1), None)
+    model = build.build_model(cfg.replace(dp=1), None)
     sizes = [p.size for p in model.parameters()]
     chunk_numel = chunk_numel_for(cfg, model, 4)
     waste, naive = chunk_padding(sizes, [chunk_numel, max(sizes)])
@@ -191,7 +191,7 @@ def test_every_gathered_buffer_has_the_chunk_size_and_each_unit_hands_over_its_g
     trainer = train.Trainer(cfg, MPI.COMM_SELF)
     records = trainer.run()
     chunks = trainer.engine.updater.chunks
-    model = hybrid.build_model(cfg.replace(chunk_mb=None), None)
+    model = build.build_model(cfg.replace(chunk_mb=None), None)
     unit_grads = {8 * sum(p.size for p in module.parameters()) for _, module in model.units()}
     for record in records:  # the ledger counts temporary buffers and their sizes
         assert record["mem"]["buffer_allocations"] == 2 * len(chunks) + len(model.units())
@@ -262,7 +262,7 @@ def test_against_per_unit_zero3_the_same_bytes_but_for_padding(comm):
     n = comm.size
     cfg = tiny(dp=n, batch_size=2 * n, steps=1, zero=3)
     per_unit = train.Trainer(cfg, comm.mpi)
-    model = hybrid.build_model(cfg.replace(dp=1, zero=0), None)  # ZeRO-3 has freed the trainer's
+    model = build.build_model(cfg.replace(dp=1, zero=0), None)  # ZeRO-3 has freed the trainer's
     units = [sum(p.size for p in module.parameters()) for _, module in model.units()]
     unit_traffic = per_unit.run()[0]["comm"]
     chunked = train.Trainer(cfg.replace(chunk_mb=0.004), comm.mpi)

@@ -24,7 +24,7 @@ from test_chunks import MODELS, assert_matches_reference, tight_budget_mb, tiny
 from minipar.core import autograd
 from minipar.memory.ledger import buffer_meter
 from minipar.memory.offload import DiskTier, TieredStore
-from minipar.trainer import build as hybrid
+from minipar.trainer import build
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.validate import validate
@@ -251,7 +251,7 @@ def test_bench_memory_measures_both_tables_from_real_runs():
     figures = json.loads(done.stdout.splitlines()[-1])
     per_unit, searched, fixed = figures["messages"]
     assert per_unit["messages"] == 3 * 6 and fixed["messages"] == 3 * fixed["chunks"]  # N - 1 = 1
-    psi = sum(p.size for p in hybrid.build_model(TrainConfig(dp=1), None).parameters())  # the default GPT
+    psi = sum(p.size for p in build.build_model(TrainConfig(dp=1), None).parameters())  # the default GPT
     assert searched["chunks"] * searched["chunk_numel"] == searched["padding"] + psi
     lru, opt = figures["offload"][:2]
     assert (lru["eviction"], opt["eviction"]) == ("lru", "opt")

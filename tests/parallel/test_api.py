@@ -29,8 +29,9 @@ from minipar.precision.formats import round_to_bf16
 from minipar.precision.mixed import MixedPrecisionRunner
 from minipar.trainer import build
 from minipar.trainer import loop as train
-from minipar.trainer.config import TrainConfig, validate
+from minipar.trainer.config import TrainConfig
 from minipar.trainer.engine import Engine
+from minipar.trainer.validate import validate
 
 TINY = TrainConfig(model="gpt", precision="fp64", n_layer=2, n_head=2, d_model=16, seq_len=8, batch_size=8,
                    steps=2, quiet=True)

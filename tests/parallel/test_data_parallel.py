@@ -25,7 +25,7 @@ from minipar.core import optim
 from minipar.core.nn import GPT, Parameter
 from minipar.dist.comm import ProcessGrid
 from minipar.parallel.ddp import DistributedDataParallel, flatten, plan_buckets, unflatten
-from minipar.trainer import build as hybrid
+from minipar.trainer import build
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.validate import validate
@@ -100,7 +100,7 @@ def test_bench_dp_reports_the_ring_bytes_of_a_real_two_rank_run():
                                 "--batch-size", "8", "--bucket-mb", "0.01"])
     assert code == 0
     figures = json.loads(out.getvalue())
-    grad = gradient_bytes(GPT(hybrid.model_config(tiny()), seed=None))
+    grad = gradient_bytes(GPT(build.model_config(tiny()), seed=None))
     one, two = figures["rows"]
     assert (one["dp"], one["sent_bytes_per_step"], one["speedup"]) == (1, 0, 1.0)
     assert two["dp"] == 2 and (grad // 8) % 2 == 0  # an even element count: the ring splits it exactly
@@ -183,7 +183,7 @@ def test_the_ledger_shows_the_bucket_count_and_accumulation_does_not_add_message
         cfg = tiny(dp=n, batch_size=4 * n, bucket_mb=bucket_mb, microbatches=microbatches, steps=1)
         return train.Trainer(cfg, comm.mpi).run()[0]["comm"]
 
-    n_params = len(hybrid.build_model(tiny(), None).parameters())
+    n_params = len(build.build_model(tiny(), None).parameters())
     one_per_parameter = step_traffic(1e-6, 1)
     assert one_per_parameter["messages"] == 2 * (n - 1) * n_params
     whole = step_traffic(1.0, 1)
@@ -198,7 +198,7 @@ def test_the_ledger_shows_the_bucket_count_and_accumulation_does_not_add_message
 def test_replicas_that_start_apart_are_refused_on_every_rank(comm):
     cfg = tiny(dp=comm.size)
     grid = ProcessGrid(comm, comm.size, 1, 1)
-    model = hybrid.build_model(cfg, grid)
+    model = build.build_model(cfg, grid)
     if comm.rank == comm.size - 1:
         weight = dict(model.named_parameters())["blocks.1.mlp.fc.weight"]
         weight.data[3, 2] = np.nextafter(weight.data[3, 2], np.inf)  # one bit in one weight

@@ -19,7 +19,7 @@ from minipar.parallel.ddp import DistributedDataParallel
 from minipar.parallel.flat_units import padded_numel
 from minipar.parallel.zero import ZeroStage1, ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
-from minipar.trainer import build as hybrid
+from minipar.trainer import build
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 
@@ -37,7 +37,7 @@ def tiny(**changes) -> TrainConfig:
 
 def unit_sizes(cfg) -> list[int]:
     """Parameters per unit of the full model, counted on a model ZeRO never touched."""
-    model = hybrid.build_model(cfg.replace(dp=1, zero=0), None)
+    model = build.build_model(cfg.replace(dp=1, zero=0), None)
     return [sum(p.size for p in module.parameters()) for _, module in model.units()]
 
 

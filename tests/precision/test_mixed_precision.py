@@ -26,7 +26,7 @@ from minipar.parallel.ddp import flatten
 from minipar.parallel.flat_units import check_replicas_identical
 from minipar.precision import mixed as mixed_precision
 from minipar.precision.formats import DynamicLossScaler, round_to_bf16, round_to_fp16
-from minipar.trainer import build as hybrid
+from minipar.trainer import build
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.engine import Engine
@@ -43,11 +43,11 @@ def tiny(**changes) -> TrainConfig:
 
 
 def single_process_engine(cfg: TrainConfig, scaler=None, runner=None) -> Engine:
-    """hybrid.build_engine's parts on one process, with a chosen loss scaler or inner runner."""
+    """build.build_engine's parts on one process, with a chosen loss scaler or inner runner."""
     grid = ProcessGrid(Comm(MPI.COMM_SELF), 1, 1, 1)
-    model = hybrid.build_model(cfg, grid)
-    inner = runner(model) if runner else hybrid.build_runner(cfg, grid, model)
-    updater = hybrid.build_updater(cfg, grid, model, scaler)
+    model = build.build_model(cfg, grid)
+    inner = runner(model) if runner else build.build_runner(cfg, grid, model)
+    updater = build.build_updater(cfg, grid, model, scaler)
     runner = mixed_precision.wrap_runner(cfg, model, inner, updater.optimizer)
     return Engine(cfg, grid, model, runner, updater)
 
@@ -298,10 +298,10 @@ def test_bf16_ddp_tracks_the_single_process_bf16_run(comm, model, microbatches, 
 def test_fp16_replicas_skip_the_same_steps_and_stay_identical(comm):
     cfg = tiny(model="mlp", precision="fp16", dp=comm.size, batch_size=4 * comm.size, steps=10)
     grid = ProcessGrid(comm, comm.size, 1, 1)
-    model = hybrid.build_model(cfg, grid)
-    updater = hybrid.build_updater(cfg, grid, model, DynamicLossScaler(
+    model = build.build_model(cfg, grid)
+    updater = build.build_updater(cfg, grid, model, DynamicLossScaler(
         init_scale=2.0**20, all_reduce_max=lambda flag: comm.allreduce_obj(flag, "max")))
-    runner = mixed_precision.wrap_runner(cfg, model, hybrid.build_runner(cfg, grid, model), updater.optimizer)
+    runner = mixed_precision.wrap_runner(cfg, model, build.build_runner(cfg, grid, model), updater.optimizer)
     engine, task = Engine(cfg, grid, model, runner, updater), train.make_task(cfg)
     verdicts = []
     for step in range(cfg.steps):
