@@ -20,36 +20,49 @@ from minipar.parallel.zero import STAGES
 from minipar.precision.formats import PRECISIONS
 
 
-def option(default, help: str, choices=None, *, command_line: bool = True, env: str | None = None):
+_KEEP = object()  # single_process: the reference run keeps this field's value
+
+
+def option(default, help: str, choices=None, *, command_line: bool = True, env: str | None = None,
+           single_process=_KEEP):
     """A TrainConfig field with its command-line metadata.
 
     `choices`: the allowed values (argparse's choices, and validate's). `command_line=False`: a field
     set from Python only, with no flag. `env`: an environment variable the flag falls back to.
+    `single_process`: the value the single-process reference run uses instead (a layout option, or
+    one about this run's files and output); fields without it (the model, the data, the optimizer,
+    the precision) are what the reference must share with the run.
     """
     metadata = {"help": help, "command_line": command_line}
     if choices is not None:
         metadata["choices"] = tuple(choices)
     if env is not None:
         metadata["env"] = env
+    if single_process is not _KEEP:
+        metadata["single_process"] = single_process
     return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclass
 class TrainConfig:
     model: str = option("gpt", "the model: a GPT on digit addition, or an MLP on regression", MODELS)
-    dp: int | None = option(None, "data-parallel size (default: world / (tp*pp))")
-    tp: int = option(1, "tensor-parallel size")
-    pp: int = option(1, "pipeline stages")
-    zero: int = option(0, "ZeRO stage", STAGES)
-    microbatches: int = option(1, "micro-batches per replica's batch (gradients accumulate over them)")
+    dp: int | None = option(None, "data-parallel size (default: world / (tp*pp))", single_process=1)
+    tp: int = option(1, "tensor-parallel size", single_process=1)
+    pp: int = option(1, "pipeline stages", single_process=1)
+    zero: int = option(0, "ZeRO stage", STAGES, single_process=0)
+    microbatches: int = option(1, "micro-batches per replica's batch (gradients accumulate over them)",
+                               single_process=1)
     schedule: str = option("1f1b", "pipeline schedule (with --pp > 1)", SCHEDULES)
     precision: str = option("fp32", "number format of the arithmetic (bf16, fp16: mixed precision)",
                             PRECISIONS)
     loss_scaling: bool = option(True, "fp16: a dynamic loss scaler (precision/mixed.py); False trains "
                                 "without (Python only: no flag)", command_line=False)
-    offload: str = option("none", "where chunked ZeRO-3 puts blocks past the device budget", OFFLOADS)
-    device_mem_mb: float | None = option(None, "device budget in MiB for chunked ZeRO-3 (with --offload)")
-    chunk_mb: float | None = option(None, "chunk size in MiB for chunked ZeRO-3 (default: least padding)")
+    offload: str = option("none", "where chunked ZeRO-3 puts blocks past the device budget", OFFLOADS,
+                          single_process="none")
+    device_mem_mb: float | None = option(None, "device budget in MiB for chunked ZeRO-3 (with --offload)",
+                                         single_process=None)
+    chunk_mb: float | None = option(None, "chunk size in MiB for chunked ZeRO-3 (default: least padding)",
+                                    single_process=None)
     eviction: str = option("opt", "offload's eviction policy", POLICIES)
     steps: int = option(60, "total steps (a resumed run continues to it)")
     batch_size: int = option(16, "global batch (sequences)")
@@ -65,15 +78,22 @@ class TrainConfig:
     d_model: int = option(64, "width of the residual stream (GPT) or of the hidden layers (MLP)")
     bucket_mb: float = option(0.25, "DDP gradient bucket size")
     fused: bool = option(False, "AdamW and GELU through the fusion interpreter")
-    log: str | None = option(None, "JSON-lines log written by rank 0")
-    save: str | None = option(None, "checkpoint directory written at the end")
-    resume: str | None = option(None, "checkpoint directory to continue from")
+    log: str | None = option(None, "JSON-lines log written by rank 0", single_process=None)
+    save: str | None = option(None, "checkpoint directory written at the end", single_process=None)
+    resume: str | None = option(None, "checkpoint directory to continue from", single_process=None)
     check_reference: bool = option(False, "also run single-process on rank 0 and report the largest "
-                                   "deviation")
-    quiet: bool = option(False, "no progress lines or summary from rank 0 (errors still print)")
+                                   "deviation", single_process=False)
+    quiet: bool = option(False, "no progress lines or summary from rank 0 (errors still print)",
+                         single_process=True)
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+    def single_process(self) -> TrainConfig:
+        """The same training on one process (--check-reference's reference run): every field that
+        declares a `single_process` value takes it; the model, data, optimizer and precision stay."""
+        return self.replace(**{f.name: f.metadata["single_process"] for f in dataclasses.fields(self)
+                               if "single_process" in f.metadata})
 
     def resolved(self, world_size: int) -> TrainConfig:
         """Fill in dp (world size / (tp * pp)) when it was left out."""

@@ -118,10 +118,7 @@ def reference_run(cfg: TrainConfig):
     """The single-process run of the same steps: losses and final weights, computed on this rank."""
     from mpi4py import MPI
 
-    ref_cfg = cfg.replace(dp=1, tp=1, pp=1, zero=0, microbatches=1, offload="none", chunk_mb=None,
-                          device_mem_mb=None, log=None, save=None, resume=None, quiet=True,
-                          check_reference=False)
-    trainer = Trainer(ref_cfg, MPI.COMM_SELF)
+    trainer = Trainer(cfg.single_process(), MPI.COMM_SELF)
     records = trainer.run()
     trainer.memory.close()
     return [r["loss"] for r in records], trainer.engine.updater.local_state()

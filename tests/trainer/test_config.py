@@ -192,3 +192,22 @@ def test_the_formulas_and_the_chunk_checks_import_nothing_of_the_trainer_above_t
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("[] [") and "too small" in done.stdout  # the checks ran, on real sizes
+
+
+# What the single-process reference of --check-reference changes, written out by hand: the layout
+# (every parallel degree and what it shards or offloads) and this run's files and output.
+SINGLE_PROCESS = {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "microbatches": 1, "offload": "none",
+                  "chunk_mb": None, "device_mem_mb": None, "log": None, "save": None, "resume": None,
+                  "quiet": True, "check_reference": False}
+
+
+def test_the_single_process_reference_resets_the_layout_and_keeps_the_training():
+    run = TrainConfig(model="gpt", dp=2, tp=2, pp=2, zero=1, microbatches=4, schedule="gpipe",
+                      precision="fp64", offload="cpu", chunk_mb=0.5, device_mem_mb=3.0, steps=7,
+                      batch_size=8, seq_len=16, lr=1e-3, weight_decay=0.1, optimizer="sgd", momentum=0.5,
+                      seed=3, n_layer=2, n_head=2, d_model=32, bucket_mb=0.5, fused=True, log="run.jsonl",
+                      save="ckpt", resume="old", check_reference=True, quiet=False)
+    reference = run.single_process()
+    for field in dataclasses.fields(TrainConfig):
+        expected = SINGLE_PROCESS.get(field.name, getattr(run, field.name))
+        assert getattr(reference, field.name) == expected, field.name
