@@ -33,8 +33,8 @@ from collections import Counter
 import numpy as np
 
 from minipar.core import backend
+from minipar.memory.ledger import TIERS  # device, cpu, disk: the ledger's tiers, fastest first
 
-TIERS = ("device", "cpu", "disk")
 POLICIES = ("lru", "opt")  # `minipar train --eviction`
 OFFLOADS = ("none", *TIERS[1:])  # `minipar train --offload`: keep every block on the device, or a lower tier
 MiB = 2**20
