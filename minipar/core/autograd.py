@@ -14,8 +14,9 @@ Lesson: lessons/01_autograd.md.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
-from minipar.core.backend import xp_of
+from minipar.core.backend import Array, xp_of
 from minipar.core.hooks import HookList, RemovableHandle
 
 _grad_enabled = True
@@ -82,9 +83,10 @@ class Tensor:
 
     def __init__(self, data, requires_grad: bool = False):
         self.data = data
-        self.grad = None
+        self.grad: Array | None = None  # d(loss)/d(self), accumulated by backward() on leaves
         self.requires_grad = requires_grad
-        self.node = None  # (function class, ctx, input tensors) for non-leaf tensors
+        # (function class, ctx, the arguments it was applied to) for non-leaf tensors; None for leaves
+        self.node: tuple[type[Function], Context, tuple] | None = None
 
     shape = property(lambda self: self.data.shape)
     dtype = property(lambda self: self.data.dtype)
@@ -227,9 +229,10 @@ class Context:
     """What forward leaves for backward. Saved arrays are counted as activation memory."""
 
     def __init__(self):
-        self.saved = ()
+        self.inputs: tuple = ()  # the arguments the Function was applied to (Tensors and others)
+        self.saved: tuple = ()
         self._saved_bytes = 0
-        self.needs_input_grad = ()
+        self.needs_input_grad: tuple[bool, ...] = ()
 
     def save_for_backward(self, *arrays):
         self.saved = arrays
@@ -250,6 +253,10 @@ class Function:
     is none). Parameters are read through `ctx.inputs` in backward, never copied, so ZeRO-3 may
     free and re-gather them between forward and backward.
     """
+
+    # Each subclass defines both, as static methods: their signatures differ from one Function to the next.
+    forward: Callable[..., object]
+    backward: Callable[..., object]
 
     @classmethod
     def apply(cls, *args):

@@ -30,6 +30,10 @@ from types import ModuleType
 
 import numpy
 
+# The type of the arrays the engine computes on, for annotations only: a numpy.ndarray, or on a GPU a
+# cupy.ndarray, which has the same interface (CuPy ships no types, so the checker reads both as NumPy's).
+Array = numpy.ndarray
+
 BACKEND_NAMES = ("numpy", "cupy")
 BACKEND_ENV = "MINIPAR_BACKEND"  # the backend `minipar train` uses when --backend is not given
 CUDA_AWARE_ENV = "MINIPAR_CUDA_AWARE"  # 1: this MPI reads device memory, skip the staging copies

@@ -16,6 +16,7 @@ Lesson: lessons/01_autograd.md.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,6 +90,17 @@ class BackwardHook(Function):
 
 class Module:
     """Holds parameters and submodules in attribute order, like torch.nn.Module."""
+
+    # Set in __init__ with object.__setattr__, past the registration in __setattr__ below.
+    _params: dict[str, Parameter]  # this module's own parameters, by attribute name
+    _children: dict[str, Module]  # its direct submodules, by attribute name (or add_module's name)
+    training: bool  # set by train() and eval()
+    _forward_pre_hooks: HookList
+    _forward_hooks: HookList
+    _backward_pre_hooks: HookList
+    _backward_hooks: HookList
+    # Each subclass defines it with its own signature (a ModuleList has none): torch.nn.Module's declaration.
+    forward: Callable[..., object]
 
     def __init__(self):
         object.__setattr__(self, "_children", {})

@@ -43,7 +43,15 @@ class Optimizer:
 
     def __init__(self, params):
         self.params = list(params)
-        self.state = [None] * len(self.params)
+        self.state: list[dict | None] = [None] * len(self.params)  # None until the parameter's first step
+
+    def init_state(self, n: int, dtype, xp) -> dict:
+        """The state of one flat buffer of `n` elements (a whole parameter, or a ZeRO shard)."""
+        raise NotImplementedError
+
+    def update(self, param, grad, state: dict) -> None:
+        """One step for one flat buffer and its state, in place."""
+        raise NotImplementedError
 
     def zero_grad(self):
         for p in self.params:
@@ -53,9 +61,10 @@ class Optimizer:
         for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
-            if self.state[i] is None:
-                self.state[i] = self.init_state(p.data.size, p.data.dtype, xp_of(p.data))
-            self.update(p.data.reshape(-1), p.grad.reshape(-1), self.state[i])
+            state = self.state[i]
+            if state is None:
+                state = self.state[i] = self.init_state(p.data.size, p.data.dtype, xp_of(p.data))
+            self.update(p.data.reshape(-1), p.grad.reshape(-1), state)
 
     def state_bytes(self) -> int:
         return sum(a.nbytes for s in self.state if s for a in s.values() if hasattr(a, "nbytes"))

@@ -86,8 +86,10 @@ class TrafficLedger:
     """Bytes and messages sent by this rank, keyed by (communicator name, op)."""
 
     def __init__(self):
-        self._total_bytes, self._total_messages = Counter(), Counter()
-        self._step_bytes, self._step_messages = Counter(), Counter()
+        self._total_bytes: Counter[tuple[str, str]] = Counter()  # (dim, op) -> bytes sent since the start
+        self._total_messages: Counter[tuple[str, str]] = Counter()
+        self._step_bytes: Counter[tuple[str, str]] = Counter()  # the same since start_step()
+        self._step_messages: Counter[tuple[str, str]] = Counter()
 
     def charge(self, dim: str, op: str, nbytes: int, messages: int = 1) -> None:
         key = (dim, op)
@@ -106,8 +108,10 @@ class TrafficLedger:
         return _report(self._total_bytes, self._total_messages)
 
 
-def _report(sent: Counter, messages: Counter) -> dict:
-    by_op, by_dim, by_dim_op = Counter(), Counter(), {}
+def _report(sent: Counter[tuple[str, str]], messages: Counter[tuple[str, str]]) -> dict:
+    by_op: Counter[str] = Counter()
+    by_dim: Counter[str] = Counter()
+    by_dim_op: dict[str, dict[str, int]] = {}
     for (dim, op), nbytes in sent.items():
         by_op[op] += nbytes
         by_dim[dim] += nbytes

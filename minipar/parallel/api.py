@@ -7,11 +7,12 @@ An engine (trainer/engine.py) is one rank's model plus two parts that every tech
     Updater  turns this rank's gradients into the next parameters, syncing them first where the
              technique needs to (LocalUpdater here, ddp, zero, zero3, zero_chunked)
 
-Each interface is a `typing.Protocol` that also carries defaults: any object with these methods
-satisfies it (`isinstance` checks at run time), and a class that derives from it explicitly inherits
-the defaults and must define what is abstract. The trainer and the checkpoint call these methods and
-nothing else, so a new technique plugs in by implementing them, without the trainer probing for
-optional attributes. Methods marked *collective* must be called on every rank of their communicator.
+Each interface is a `typing.Protocol` that also carries defaults: any object with these methods (and,
+for an Updater, its `model` and `optimizer`) satisfies it (`isinstance` checks at run time), and a class
+that derives from it explicitly inherits the defaults and must define what is abstract. The trainer
+and the checkpoint call these methods and nothing else, so a new technique plugs in by implementing
+them, without the trainer probing for optional attributes. Methods marked *collective* must be called
+on every rank of their communicator.
 
 This file also holds the single-process parts, the plainest implementation of each interface.
 """
@@ -24,6 +25,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from minipar.core import autograd, backend
+from minipar.core.module import Module
+from minipar.core.optim import Optimizer
 from minipar.parallel.logical_state import load_whole, whole_pieces
 
 
@@ -52,6 +55,9 @@ class Updater(Protocol):
     The defaults are those of a rank that holds its parameters (`self.model`) whole or as a
     tensor-parallel shard, with the optimizer's state for them (`self.optimizer`). An updater that
     partitions them (ZeRO) overrides every method but `tier_traffic`."""
+
+    model: Module  # this rank's model: whole, a tensor-parallel shard or a pipeline stage
+    optimizer: Optimizer  # for the model's parameters, or precision.mixed's LossScalingOptimizer around one
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer

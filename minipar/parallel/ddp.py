@@ -22,17 +22,20 @@ Lesson: lessons/03_data_parallel.md.
 from __future__ import annotations
 
 from minipar.core.backend import xp_of
+from minipar.core.module import Parameter
 from minipar.memory.offload import MiB
 from minipar.parallel.api import LocalUpdater
 from minipar.parallel.flat_units import check_replicas_identical, unflatten
 
 
-def plan_buckets(params, bucket_bytes: int) -> list[list]:
+def plan_buckets(params, bucket_bytes: int) -> list[list[Parameter]]:
     """Group parameters, last first, into buckets of at most `bucket_bytes` and one dtype each.
 
     A parameter larger than a bucket gets a bucket of its own (as in PyTorch).
     """
-    buckets, current, current_bytes = [], [], 0
+    buckets: list[list[Parameter]] = []
+    current: list[Parameter] = []  # the bucket being filled
+    current_bytes = 0
     for p in reversed(list(params)):
         full = current_bytes + p.data.nbytes > bucket_bytes
         if current and (full or p.data.dtype != current[0].data.dtype):
@@ -84,7 +87,7 @@ class DistributedDataParallel(LocalUpdater):
             if missing:  # the same on every replica: the graph does not depend on the data
                 raise RuntimeError("DistributedDataParallel needs a gradient for every parameter, and "
                                    f"{self.names[id(missing[0])]} got none this step")
-            shapes = [p.grad.shape for p in bucket]
+            shapes = [p.shape for p in bucket]  # each gradient has its parameter's shape
             flat = flatten([p.grad for p in bucket])
             for p in bucket:
                 p.grad = None

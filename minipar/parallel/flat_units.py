@@ -14,7 +14,7 @@ from __future__ import annotations
 import zlib
 
 from minipar.core import backend
-from minipar.core.backend import xp_of
+from minipar.core.backend import Array, xp_of
 
 
 def padded_numel(numel: int, parts: int) -> int:
@@ -37,8 +37,7 @@ def unflatten(flat, shapes) -> list:
 class FlatUnit:
     """One unit's parameters seen as a flat buffer of `padded` elements, of which this rank owns
     [start, stop). The padding past `numel` stays zero: zero gradients leave it zero under Adam and SGD.
-    The updaters add what each stage keeps: `flat` (the whole buffer, while it exists), `param_shard`,
-    `state` (the optimizer's, for the shard) and, from stage 2, `grad_shard`."""
+    The updaters set what each stage keeps (the last five attributes)."""
 
     def __init__(self, module, named_params: list, comm):
         self.module = module
@@ -52,6 +51,13 @@ class FlatUnit:
         shard = self.padded // comm.size
         self.start, self.stop = comm.rank * shard, (comm.rank + 1) * shard
         self.shard_numel = shard
+        # What the ZeRO stages keep. `flat` may be None at any time; the others are set by the updater's
+        # constructor, before any other use, so they are declared here without a value.
+        self.flat: Array | None = None  # the whole buffer while it exists (always at stages 1-2)
+        self.param_shard: Array  # this rank's [start, stop) of it: a view at stages 1-2, its own at 3
+        self.state: dict  # the optimizer's state for param_shard (optimizer.init_state)
+        self.grad_shard: Array  # from stage 2: this rank's shard of the summed gradients
+        self.freed: Array  # stage 3: the empty array a released parameter's data points at
 
     def flatten(self, arrays):
         """The arrays one after another in a new zero-padded flat buffer (None counts as zeros)."""

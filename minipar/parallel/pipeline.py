@@ -20,6 +20,7 @@ import copy
 import math
 import time
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from minipar.core.autograd import Tensor
 from minipar.core.nn import Module
 from minipar.parallel.api import Runner
 from minipar.parallel.schedules import build_schedule, check_schedule
+
+if TYPE_CHECKING:  # only for annotations: the pipeline talks to MPI through Comm
+    from mpi4py import MPI
 
 
 def unit_cost(unit: Module) -> int:
@@ -54,7 +58,8 @@ def partition(costs: list[int], stages: int) -> list[range]:
     if not 1 <= stages <= n:
         raise ValueError(f"cannot cut {n} units into {stages} non-empty stages")
     prefix = np.concatenate([[0], np.cumsum(costs)])
-    best, cut = {(0, 0): ()}, {}
+    best: dict[tuple[int, int], tuple[int, ...]] = {(0, 0): ()}
+    cut: dict[tuple[int, int], int] = {}  # (k, j) -> where the last stage of best[k, j] starts
     for k in range(1, stages + 1):
         for j in range(k, n - (stages - k) + 1):
             best[k, j], cut[k, j] = min(
@@ -127,7 +132,9 @@ class PipelineRunner(Runner):
         self.microbatches = check_schedule(schedule_table)  # naive runs one, whatever was asked
         self.actions = schedule_table[self.rank]
         self.width, self.dtype = width, dtype
-        self.in_flight, self.pending_sends, self.loss_sum = {}, [], 0.0
+        self.in_flight: dict[int, tuple] = {}  # micro-batch -> (stage input, output), until its backward
+        self.pending_sends: list[MPI.Request] = []  # this step's sends not yet known to be complete
+        self.loss_sum = 0.0
         self.compute_s = {"F": 0.0, "B": 0.0}
         self.last_timing: dict = {}
 

@@ -25,6 +25,7 @@ Lesson: lessons/04_zero.md.
 from __future__ import annotations
 
 from minipar.core import autograd
+from minipar.core.hooks import RemovableHandle
 from minipar.memory.ledger import buffer_meter
 from minipar.memory.planner import STAGES as STAGES  # --zero's choices: 0 (DP), 1-2 here, 3 in zero3.py
 from minipar.parallel.api import Updater
@@ -90,7 +91,7 @@ class ZeroStage1(Updater):
                     unit.state[kind] = int(state[unit.names[0]][kind])
 
     def params_bytes(self) -> int:
-        return sum(u.flat.nbytes for u in self.units)
+        return sum(u.flat.nbytes for u in self.units if u.flat is not None)  # every unit's, at stages 1-2
 
     def grads_bytes(self) -> int:
         return sum(u.grads_nbytes() for u in self.units)
@@ -101,7 +102,8 @@ class ZeroStage2(ZeroStage1):
 
     def __init__(self, model, optimizer, comm):
         super().__init__(model, optimizer, comm)
-        self.hooks = []  # the handles of the hooks on the model's units (removing them detaches the engine)
+        # the handles of the hooks on the model's units (removing them detaches the engine)
+        self.hooks: list[RemovableHandle] = []
         for unit in self.units:
             unit.grad_shard = unit.xp.zeros(unit.shard_numel, dtype=unit.dtype)
             self.hook_unit(unit)

@@ -32,6 +32,7 @@ class ZeroStage3(ZeroStage2):
         for unit in self.units:
             unit.param_shard = unit.param_shard.copy()  # this rank's shard outlives the full buffer
             unit.freed = unit.xp.empty(0, dtype=unit.dtype)
+            assert unit.flat is not None  # stage 1's constructor made every unit's buffer whole
             buffer_meter.add(unit.flat.nbytes)  # the full parameters built here count as gathered ...
             self.release_params(unit)  # ... and go at once
 

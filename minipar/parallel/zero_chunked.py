@@ -67,7 +67,8 @@ class ChunkedZero3(Updater):
         for chunk in self.chunks:
             for tensor in chunk.tensors:
                 tensor.param.data = self.freed
-        self.hooks = []  # the handles of the hooks on the model's units (removing them detaches the engine)
+        # the handles of the hooks on the model's units (removing them detaches the engine)
+        self.hooks: list[RemovableHandle] = []
         for i, unit in enumerate(self.units):
             self.hook_unit(i, unit)
         self.relief = relieve_when_activations_grow(self.store)  # its handle: `.remove()` stops it
