@@ -19,7 +19,6 @@ from minipar.parallel.schedules import SCHEDULES
 from minipar.parallel.zero import STAGES
 from minipar.precision.formats import PRECISIONS
 
-
 _KEEP = object()  # single_process: the reference run keeps this field's value
 
 
