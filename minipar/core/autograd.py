@@ -240,9 +240,17 @@ class Context:
         activation_meter.add(self._saved_bytes)
 
     def release(self):
-        activation_meter.release(self._saved_bytes)
+        if self._saved_bytes:
+            activation_meter.release(self._saved_bytes)
         self._saved_bytes = 0
         self.saved = ()
+
+    def __del__(self):
+        # A graph dropped without backward (a forward with grad on, then the output discarded) frees
+        # its saved arrays with it, as PyTorch's does: the meter must forget them too, or every later
+        # reading (the memory ledger, an offload budget) would carry bytes that no longer exist.
+        if self._saved_bytes:
+            self.release()
 
 
 class Function:

@@ -191,6 +191,19 @@ def test_activation_meter_counts_bytes_saved_for_backward():
     assert activation_meter.peak == activation_meter.current
 
 
+def test_a_graph_dropped_without_backward_gives_its_activation_bytes_back():
+    start = activation_meter.current
+    x, w = leaf(0, (10, 8), 1), leaf(0, (10, 8), 2)
+    z = F.tanh(x * w)  # Mul saves 1280 bytes, Tanh 640
+    assert activation_meter.current - start == 1920
+    del z  # the only reference to the graph: its contexts go with it, as PyTorch frees saved tensors
+    assert activation_meter.current == start
+    y = x * w
+    y.backward(np.ones_like(y.data))  # released by backward, and not a second time when y goes
+    del y
+    assert activation_meter.current == start
+
+
 def test_cast_outputs_rounds_outputs_and_gradients():
     seen = []
 
