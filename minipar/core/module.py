@@ -17,23 +17,13 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import current as current_backend
 from minipar.core.hooks import HookList, RemovableHandle
-
-
-@dataclass(frozen=True)
-class Shard:
-    """This rank holds [start, stop) of the full tensor along `axis`; rows past the end are padding."""
-
-    full_shape: tuple
-    axis: int
-    start: int
-    stop: int
+from minipar.core.shards import Shard, shard_of
 
 
 class Parameter(Tensor):
@@ -59,19 +49,6 @@ def initial_value(seed: int, name: str, full_shape, init) -> np.ndarray:
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     return rng.standard_normal(full_shape) * init[1]
 
-
-def shard_of(full: np.ndarray, shard: Shard | None) -> np.ndarray:
-    """Cut this rank's shard from a full tensor, padding with zeros past the end."""
-    if shard is None:
-        return full
-    pad = max(0, shard.stop - full.shape[shard.axis])
-    if pad:
-        widths = [(0, 0)] * full.ndim
-        widths[shard.axis] = (0, pad)
-        full = np.pad(full, widths)
-    index = [slice(None)] * full.ndim
-    index[shard.axis] = slice(shard.start, shard.stop)
-    return full[tuple(index)]
 
 
 class BackwardHook(Function):

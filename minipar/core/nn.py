@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from minipar.core import functional as F
 from minipar.core.backend import current as current_backend
-from minipar.core.module import Module, ModuleList, Parameter, Shard, initial_value, shard_of  # noqa: F401
+from minipar.core.module import Module, ModuleList, Parameter, initial_value  # noqa: F401
 
 MODELS = ("gpt", "mlp")  # `minipar train --model`: GPT or MLPNet, both defined below
 

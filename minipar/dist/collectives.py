@@ -36,7 +36,8 @@ from typing import Callable
 import numpy
 
 from minipar.core import backend
-from minipar.dist.comm import Comm, shard_bounds, shard_sizes
+from minipar.dist.comm import Comm
+from minipar.core.shards import shard_bounds, shard_sizes
 
 
 def _same(x: numpy.ndarray) -> numpy.ndarray:

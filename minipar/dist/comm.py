@@ -40,25 +40,10 @@ from collections import Counter
 from mpi4py import MPI
 
 from minipar.core import backend
+from minipar.core.shards import shard_bounds, shard_sizes
 
 REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
-
-def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, stop) of shard `index` when n elements are cut into `parts` shards.
-
-    Like numpy.array_split: the first n % parts shards get one element more.
-    """
-    if parts < 1 or not 0 <= index < parts or n < 0:
-        raise ValueError(f"no shard {index} of {parts} for {n} elements")
-    base, extra = divmod(n, parts)
-    start = index * base + min(index, extra)
-    return start, start + base + (1 if index < extra else 0)
-
-
-def shard_sizes(n: int, parts: int) -> list[int]:
-    """Number of elements in each of the `parts` shards of n elements (see shard_bounds)."""
-    return [stop - start for start, stop in (shard_bounds(n, parts, i) for i in range(parts))]
 
 
 def ring_bytes_sent(op: str, shard_nbytes: list[int], rank: int) -> int:

@@ -15,11 +15,7 @@ import zlib
 
 from minipar.core import backend
 from minipar.core.backend import Array, xp_of
-
-
-def padded_numel(numel: int, parts: int) -> int:
-    """The smallest multiple of `parts` that holds `numel` elements: every shard the same size."""
-    return -(-numel // parts) * parts
+from minipar.core.shards import padded_bounds, padded_numel
 
 
 def unflatten(flat, shapes) -> list:
@@ -48,9 +44,8 @@ class FlatUnit:
         self.xp = xp_of(self.params[0].data)
         self.numel = sum(p.size for p in self.params)
         self.padded = padded_numel(self.numel, comm.size)
-        shard = self.padded // comm.size
-        self.start, self.stop = comm.rank * shard, (comm.rank + 1) * shard
-        self.shard_numel = shard
+        self.start, self.stop = padded_bounds(self.numel, comm.size, comm.rank)
+        self.shard_numel = self.stop - self.start
         # What the ZeRO stages keep. `flat` may be None at any time; the others are set by the updater's
         # constructor, before any other use, so they are declared here without a value.
         self.flat: Array | None = None  # the whole buffer while it exists (always at stages 1-2)

@@ -5,7 +5,7 @@ name, the full parameter and each optimizer state of its shape (AdamW's exp_avg 
 step count; SGD's momentum_buffer). A rank holds a *piece* of each logical tensor it touches, described
 in two steps:
 
-    shard   tensor parallelism: [start, stop) of the full tensor along one axis (`nn.Shard`;
+    shard   tensor parallelism: [start, stop) of the full tensor along one axis (`core/shards.py` Shard;
             None: the whole tensor). Rows past the end are padding (a vocabulary split unevenly).
     flat    ZeRO: then [start, stop) of that shard, flattened (None: the whole shard). A unit's
             flat buffer is cut into equal slices, so a rank's slice may begin and end mid-parameter.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minipar.core.backend import current as current_backend
-from minipar.core.nn import Shard, shard_of
+from minipar.core.shards import Shard, shard_of
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Piece:
     flat: tuple[int, int] | None = None
 
     def cut(self, full: np.ndarray) -> np.ndarray:
-        """This piece of a full tensor (padding rows past its end are zeros, as in `nn.shard_of`)."""
+        """This piece of a full tensor (padding rows past its end are zeros, as in `shards.shard_of`)."""
         local = shard_of(full, self.shard)
         return local if self.flat is None else local.reshape(-1)[self.flat[0] : self.flat[1]]
 

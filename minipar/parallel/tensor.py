@@ -31,7 +31,8 @@ from __future__ import annotations
 from minipar.core import functional as F
 from minipar.core.autograd import Function
 from minipar.core.backend import xp_of
-from minipar.core.nn import Module, Parameter, Shard, causal_attention
+from minipar.core.nn import Module, Parameter, causal_attention
+from minipar.core.shards import Shard, padded_bounds
 
 # ---- the conjugate operators f and g ---------------------------------------------------------------
 
@@ -89,13 +90,6 @@ def gather_from_tensor_parallel(x, comm):
     return GatherFromTensorParallel.apply(x, comm)
 
 
-def partition(size: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, stop) of part `index` when `size` rows are split into `parts` equal parts. When parts
-    does not divide size, the last parts run past the end into zero padding, as Megatron pads its
-    vocabulary: every rank holds a tensor of the same shape."""
-    per_part = -(-size // parts)
-    return index * per_part, (index + 1) * per_part
-
 
 # ---- linear layers ----------------------------------------------------------------------------------
 
@@ -113,7 +107,7 @@ class ColumnParallelLinear(Module):
         super().__init__()
         self.comm, self.out_features = comm, out_features
         self.gather_output, self.input_is_copied = gather_output, input_is_copied
-        self.start, self.stop = partition(out_features, comm.size, comm.rank)
+        self.start, self.stop = padded_bounds(out_features, comm.size, comm.rank)
         rows = self.stop - self.start
         self.weight = Parameter((rows, in_features), ("normal", std), dtype,
                                 Shard((out_features, in_features), 0, self.start, self.stop))
@@ -141,7 +135,7 @@ class RowParallelLinear(Module):
         if in_features % comm.size:
             raise ValueError(f"RowParallelLinear: {in_features} inputs do not split over tp={comm.size}")
         self.comm = comm
-        self.start, self.stop = partition(in_features, comm.size, comm.rank)
+        self.start, self.stop = padded_bounds(in_features, comm.size, comm.rank)
         self.weight = Parameter((out_features, self.stop - self.start), ("normal", std), dtype,
                                 Shard((out_features, in_features), 1, self.start, self.stop))
         self.bias = Parameter((out_features,), ("zeros",), dtype) if bias else None
@@ -201,7 +195,7 @@ class VocabParallelEmbedding(Module):
     def __init__(self, num_embeddings, embedding_dim, comm, std=0.02, dtype="float64"):
         super().__init__()
         self.comm = comm
-        self.start, self.stop = partition(num_embeddings, comm.size, comm.rank)
+        self.start, self.stop = padded_bounds(num_embeddings, comm.size, comm.rank)
         self.weight = Parameter((self.stop - self.start, embedding_dim), ("normal", std), dtype,
                                 Shard((num_embeddings, embedding_dim), 0, self.start, self.stop))
 

@@ -25,7 +25,7 @@ import weakref
 from minipar.core import autograd
 from minipar.core.backend import current as current_backend
 from minipar.core.hooks import RemovableHandle
-from minipar.core.nn import shard_of
+from minipar.core.shards import shard_of
 from minipar.memory.chunks import TensorState, pack_in_chunks, search_chunk_size
 from minipar.memory.ledger import buffer_meter, tier_meter
 from minipar.memory.offload import MiB, TieredStore

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from minipar.core.shards import shard_bounds
+
 ALPHABET = "0123456789+=\n"
 
 
@@ -62,6 +64,6 @@ class RegressionTask:
 
 
 def local_slice(batch_size: int, parts: int, index: int) -> slice:
-    """The fixed contiguous slice of the global batch that data-parallel rank `index` trains on."""
-    per_rank = batch_size // parts
-    return slice(index * per_rank, (index + 1) * per_rank)
+    """The fixed contiguous slice of the global batch that data-parallel rank `index` trains on
+    (validation makes the batch divisible by the ranks, so every slice is the same size)."""
+    return slice(*shard_bounds(batch_size, parts, index))

@@ -20,8 +20,7 @@ from mpi4py import MPI
 from mpi_harness import mpi_given
 
 from minipar.checkpoint.sharded import CheckpointError
-from minipar.core.nn import Shard
-from minipar.dist.comm import shard_bounds
+from minipar.core.shards import Shard, shard_bounds
 from minipar.parallel.logical_state import Piece, assemble
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig

@@ -24,8 +24,8 @@ from mpi_harness import mpi_given
 from minipar.bench import gpu as gpu_bench
 from minipar.bench.layouts import factorisations
 from minipar.core import backend
+from minipar.core.shards import shard_bounds
 from minipar.dist import collectives
-from minipar.dist.comm import shard_bounds
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.validate import validate

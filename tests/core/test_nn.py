@@ -9,6 +9,7 @@ from test_functional import numeric_derivative
 from minipar.core import functional as F
 from minipar.core import nn
 from minipar.core.autograd import Tensor, no_grad
+from minipar.core.shards import Shard, shard_of
 
 TINY = nn.GPTConfig(vocab_size=13, block_size=4, n_layer=2, n_head=2, d_model=8)
 
@@ -136,17 +137,17 @@ def test_shards_are_cuts_of_the_full_tensor_padded_with_zeros(axis):
     full = nn.initial_value(1, "w", full_shape, ("normal", 1.0))
     pieces = []
     for start in (0, 3):  # two shards of 3 along `axis`: the second runs one past the end (padding)
-        shard = nn.Shard(full_shape, axis, start, start + 3)
+        shard = Shard(full_shape, axis, start, start + 3)
         module = nn.Module()
         module.w = nn.Parameter((3, 3), ("normal", 1.0), shard=shard)
         module.init_parameters(1)
         assert module.w.full_shape == full_shape
-        np.testing.assert_array_equal(module.w.data, nn.shard_of(full, shard))
+        np.testing.assert_array_equal(module.w.data, shard_of(full, shard))
         pieces.append(module.w.data)
     joined = np.concatenate(pieces, axis=axis)
     np.testing.assert_array_equal(np.take(joined, range(5), axis=axis), full)
     np.testing.assert_array_equal(np.take(joined, [5], axis=axis), 0.0)
-    assert nn.shard_of(full, None) is full
+    assert shard_of(full, None) is full
 
 
 # ---- state_dict, grads, modes -------------------------------------------------------------------------

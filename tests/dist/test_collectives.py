@@ -14,7 +14,8 @@ from mpi4py import MPI
 from mpi_harness import mpi_given
 
 from minipar.dist.collectives import UNCHANGED, Wire, ring_all_gather, ring_all_reduce, ring_reduce_scatter
-from minipar.dist.comm import Comm, TrafficLedger, ring_bytes_sent, shard_bounds, shard_sizes
+from minipar.dist.comm import Comm, TrafficLedger, ring_bytes_sent
+from minipar.core.shards import shard_bounds, shard_sizes
 
 DTYPES = ["float64", "float32", "int64", "int32", "uint16"]
 TO_FP32 = Wire(encode=lambda x: x.astype("float32"), decode=lambda wire: wire.astype("float64"))

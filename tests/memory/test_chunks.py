@@ -17,6 +17,7 @@ from mpi4py import MPI
 from mpi_harness import mpi_given, mpi_test
 
 from minipar.core import autograd
+from minipar.core.shards import padded_numel
 from minipar.memory.chunks import (
     LEGAL_TRANSITIONS,
     Chunk,
@@ -27,7 +28,6 @@ from minipar.memory.chunks import (
     search_chunk_size,
 )
 from minipar.memory.ledger import buffer_meter
-from minipar.parallel.flat_units import padded_numel
 from minipar.parallel.zero_chunked import ChunkedZero3, chunk_numel_for, device_bytes_needed
 from minipar.trainer import build
 from minipar.trainer import loop as train

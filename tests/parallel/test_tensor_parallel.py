@@ -23,7 +23,8 @@ from mpi_harness import mpi_given
 from minipar.core import functional as F
 from minipar.core import nn, optim
 from minipar.core.autograd import Tensor, no_grad
-from minipar.dist.comm import ring_bytes_sent, shard_sizes
+from minipar.core.shards import Shard, padded_bounds, shard_of, shard_sizes
+from minipar.dist.comm import ring_bytes_sent
 from minipar.parallel.tensor import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -31,7 +32,6 @@ from minipar.parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_parallel,
-    partition,
     reduce_from_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
@@ -77,13 +77,13 @@ def set_random_parameters(ref_module, tp_module, seed):
     shards = dict(tp_module.named_parameters())
     for name, p in ref_module.named_parameters():
         p.data[...] = rng.standard_normal(p.shape)
-        shards[name].data[...] = nn.shard_of(p.data, shards[name].shard)
+        shards[name].data[...] = shard_of(p.data, shards[name].shard)
 
 
 def assert_shards_match(tp_module, ref_grads):
     """Every parameter's gradient on this rank is the matching cut of the reference gradient."""
     for name, p in tp_module.named_parameters():
-        assert_close(p.grad, nn.shard_of(ref_grads[name], p.shard), name)
+        assert_close(p.grad, shard_of(ref_grads[name], p.shard), name)
 
 
 def random_input(seed, shape):
@@ -94,8 +94,8 @@ def random_input(seed, shape):
 
 
 @given(size=st.integers(1, 50), parts=st.integers(1, 8))
-def test_partition_covers_the_rows_in_equal_parts(size, parts):
-    bounds = [partition(size, parts, i) for i in range(parts)]
+def test_padded_bounds_cover_the_rows_in_equal_parts(size, parts):
+    bounds = [padded_bounds(size, parts, i) for i in range(parts)]
     assert bounds[0][0] == 0 and bounds[-1][1] >= size
     assert all(stop == start for (_, stop), (start, _) in zip(bounds, bounds[1:]))
     assert len({stop - start for start, stop in bounds}) == 1
@@ -224,15 +224,15 @@ def test_vocab_parallel_cross_entropy(comm, seed, vocab, rows):
     ref_logits = Tensor(full_logits, requires_grad=True)
     ref_loss = F.cross_entropy(ref_logits, targets, "sum")
     ref_loss.backward()
-    start, stop = partition(vocab, comm.size, comm.rank)
+    start, stop = padded_bounds(vocab, comm.size, comm.rank)
     # this rank's columns; padding columns hold junk that the loss must ignore
-    mine = nn.shard_of(full_logits, nn.Shard(full_logits.shape, 1, start, stop)) + (
+    mine = shard_of(full_logits, Shard(full_logits.shape, 1, start, stop)) + (
         np.arange(start, stop) >= vocab) * 100.0
     logits = Tensor(mine, requires_grad=True)
     loss = vocab_parallel_cross_entropy(logits, targets, start, vocab, comm)
     loss.backward()
     assert_close(loss.data, ref_loss.data, "loss")
-    assert_close(logits.grad, nn.shard_of(ref_logits.grad, nn.Shard(full_logits.shape, 1, start, stop)),
+    assert_close(logits.grad, shard_of(ref_logits.grad, Shard(full_logits.shape, 1, start, stop)),
                  "gradient: softmax minus one-hot, zero in the padding")
 
 

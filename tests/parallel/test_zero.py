@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_harness import mpi_given, mpi_test, needs_world_size
 
+from minipar.core.shards import padded_numel
 from minipar.memory import planner
 from minipar.memory.ledger import buffer_meter
 from minipar.parallel.ddp import DistributedDataParallel
-from minipar.parallel.flat_units import padded_numel
 from minipar.parallel.zero import ZeroStage1, ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
 from minipar.trainer import build

@@ -20,7 +20,8 @@ from mpi_harness import mpi_given, mpi_test
 
 from minipar.bench import precision as precision_bench
 from minipar.core.autograd import Function
-from minipar.dist.comm import Comm, ProcessGrid, shard_bounds
+from minipar.core.shards import shard_bounds
+from minipar.dist.comm import Comm, ProcessGrid
 from minipar.parallel.api import MicrobatchRunner
 from minipar.parallel.ddp import flatten
 from minipar.parallel.flat_units import check_replicas_identical
