@@ -2,7 +2,7 @@
 
 fp16 holds magnitudes from 6e-8 to 65504; bf16 (like fp32) from 1e-40 to 3e38. Two experiments train
 the same MLPNet regression single-process with the real engine (trainer/build.py's model, runner and
-updater, wrapped by mixed_precision.py) in fp32, bf16, fp16 without loss scaling and fp16 with the
+updater, wrapped by precision/mixed.py) in fp32, bf16, fp16 without loss scaling and fp16 with the
 dynamic loss scaler. Each changes only the *size* of the numbers, in a way that leaves training in
 exact arithmetic unchanged, and so shows what the format alone does:
 

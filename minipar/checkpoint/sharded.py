@@ -234,7 +234,7 @@ def check_file(path: Path, expected: dict, what: str) -> None:
 
 
 def problems(cfg, model_config) -> list[str]:
-    """config.validate's check of --resume: [] or the one-line reason the checkpoint is refused.
+    """trainer/validate.py's check of --resume: [] or the one-line reason the checkpoint is refused.
 
     `model_config` is the config of the model `cfg` builds (trainer/build.py's model_config)."""
     try:

@@ -153,7 +153,7 @@ class TieredStore:
 
     def write(self, key, values: np.ndarray):
         """Set the block's values from a host array, wherever it lives (no move, not counted): a
-        checkpoint's (checkpoint.py)."""
+        checkpoint's (checkpoint/sharded.py)."""
         block = self.blocks[key]
         block.data[...] = self.backend.from_host(values) if block.tier == "device" else values
 

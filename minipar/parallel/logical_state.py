@@ -19,8 +19,8 @@ in two steps:
 
 Saving writes every piece once with its description; loading puts the full tensor back together
 (`assemble`) and cuts the piece the new layout needs (`Piece.cut`), so a checkpoint written at one
-layout resumes at any other. The updaters (engine.py's LocalUpdater, which DDP inherits; zero.py's
-stages, which zero3.py inherits; chunked_zero.py) describe what they hold with these functions, in
+layout resumes at any other. The updaters (api.py's LocalUpdater, which DDP inherits; zero.py's
+stages, which zero3.py inherits; zero_chunked.py) describe what they hold with these functions, in
 two methods: `checkpoint_pieces()` and `load_logical(state)`. A count (the step) is a Piece of shape ().
 Lesson: lessons/12_reliability.md.
 """

@@ -43,7 +43,7 @@ def model_config(cfg):
 def build_model(cfg, grid):
     """The parameters this rank holds, initialised from (seed, name) whatever the layout."""
     mcfg = model_config(cfg)
-    if cfg.tp > 1:  # Megatron tensor parallelism, GPT only (config.validate)
+    if cfg.tp > 1:  # Megatron tensor parallelism, GPT only (trainer/validate.py)
         model = TensorParallelGPT(mcfg, grid.tp, seed=None)
     else:
         model = GPT(mcfg, seed=None) if cfg.model == "gpt" else MLPNet(mcfg, seed=None)

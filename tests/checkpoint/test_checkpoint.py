@@ -1,8 +1,8 @@
 """Checkpoints: pieces put back together exactly; resume equals an uninterrupted run, in any layout;
 bad checkpoints refused with one line; a save never destroys the previous checkpoint before it is done.
 
-    pytest -m "not mpi" tests/test_checkpoint.py                          # serial
-    mpiexec -n K python -m pytest -m mpi tests/test_checkpoint.py         # K = 2, 4, 8
+    pytest -m "not mpi" tests/checkpoint/test_checkpoint.py                          # serial
+    mpiexec -n K python -m pytest -m mpi tests/checkpoint/test_checkpoint.py         # K = 2, 4, 8
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-# Chunked ZeRO-3 (chunked_zero.py): chunks only, or with blocks offloaded to cpu or disk under a device
+# Chunked ZeRO-3 (parallel/zero_chunked.py): chunks only, or with blocks offloaded to cpu or disk under a device
 # budget (MiB) by ranks, measured to leave room for TINY's activations yet move blocks every step
 BUDGET = {1: 0.45, 2: 0.25, 4: 0.15, 8: 0.1}
 CHUNKING = {"": lambda ranks: {}, "chunks": lambda ranks: dict(chunk_mb=0.01),

@@ -2,8 +2,8 @@
 NumPy refuse proves that every communication path stages through the host, and with a
 __cuda_array_interface__ that the CUDA-aware path hands MPI device memory directly.
 
-    pytest -m "not mpi" tests/test_backend.py                       # one process
-    mpiexec -n K python -m pytest -m mpi tests/test_backend.py       # K = 2, 4, 8
+    pytest -m "not mpi" tests/core/test_backend.py                       # one process
+    mpiexec -n K python -m pytest -m mpi tests/core/test_backend.py       # K = 2, 4, 8
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Gemini chunks: packing, the padding search, the tensor state machine, and chunked ZeRO-3 training to
 the single-process numbers with one message per chunk, with and without offload.
 
-    pytest -m "not mpi" tests/test_chunks.py                       # packing, search, states, one rank
-    mpiexec -n K python -m pytest -m mpi tests/test_chunks.py       # K = 2, 4, 8: dp = K
+    pytest -m "not mpi" tests/memory/test_chunks.py                       # packing, search, states, one rank
+    mpiexec -n K python -m pytest -m mpi tests/memory/test_chunks.py       # K = 2, 4, 8: dp = K
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 OPT never moves more than LRU; the disk folder never outlives its creation; a model several times the
 budget trains within it to the single-process numbers; a budget too small is refused up front.
 
-    pytest -m "not mpi" tests/test_offload.py                       # the store, one-rank training, CLI
-    mpiexec -n K python -m pytest -m mpi tests/test_offload.py       # K = 2, 4, 8: dp = K
+    pytest -m "not mpi" tests/memory/test_offload.py                       # the store, one-rank training, CLI
+    mpiexec -n K python -m pytest -m mpi tests/memory/test_offload.py       # K = 2, 4, 8: dp = K
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """DDP: any dp trains to the single-process numbers; each step sends the ring all-reduce of the gradients.
 
-    pytest -m "not mpi" tests/test_data_parallel.py                      # buckets, bad input, bench
-    mpiexec -n K python -m pytest -m mpi tests/test_data_parallel.py      # K = 2, 4, 8: dp = K
+    pytest -m "not mpi" tests/parallel/test_data_parallel.py                      # buckets, bad input, bench
+    mpiexec -n K python -m pytest -m mpi tests/parallel/test_data_parallel.py      # K = 2, 4, 8: dp = K
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """ZeRO stages 1-3: the single-process numbers, the planner's bytes, and the ring's traffic, exactly.
 
-    pytest -m "not mpi" tests/test_zero.py                       # padding, one rank, the hooks
-    mpiexec -n K python -m pytest -m mpi tests/test_zero.py       # K = 2, 4, 8: dp = K
+    pytest -m "not mpi" tests/parallel/test_zero.py                       # padding, one rank, the hooks
+    mpiexec -n K python -m pytest -m mpi tests/parallel/test_zero.py       # K = 2, 4, 8: dp = K
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Mixed precision: 16-bit working weights, activations and gradients over fp32 master weights, fp16's
 dynamic loss scaler in training, and DDP's 16-bit gradient wire.
 
-    pytest -m "not mpi" tests/test_mixed_precision.py
-    mpiexec -n K python -m pytest -m mpi tests/test_mixed_precision.py      # K = 2, 4, 8
+    pytest -m "not mpi" tests/precision/test_mixed_precision.py
+    mpiexec -n K python -m pytest -m mpi tests/precision/test_mixed_precision.py      # K = 2, 4, 8
 
 Tolerances, measured (tiny models, 20 steps): bf16 and fp16 runs stay within 1% of the fp32 loss at
 every step (seen: at most 0.09% for the GPT, 0.33% for the MLP); a bf16 run at dp = K within 1% of the
