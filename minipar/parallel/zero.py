@@ -78,7 +78,8 @@ class ZeroStage1(Updater):
                 for name, kinds in flat_unit_pieces(unit, {"param": unit.param_shard, **unit.state}).items()}
 
     def load_logical(self, state) -> None:
-        """Cut this rank's slices from a checkpoint's logical tensors (checkpoint/sharded.py); no communication."""
+        """Cut this rank's slices from a checkpoint's logical tensors (checkpoint/sharded.py); no
+        communication."""
         for unit in self.units:
             params = flat_unit_buffer(unit, state, "param")
             if unit.flat is not None:  # held whole between steps (stages 1 and 2): param_shard is a view

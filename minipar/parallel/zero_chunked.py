@@ -201,7 +201,8 @@ class ChunkedZero3(Updater):
         return pieces
 
     def load_logical(self, state) -> None:
-        """Cut this rank's shard of every chunk from a checkpoint's logical tensors (checkpoint/sharded.py)."""
+        """Cut this rank's shard of every chunk from a checkpoint's logical tensors
+        (checkpoint/sharded.py)."""
         for chunk, scalars in zip(self.chunks, self.scalars):
             for kind in ["param", *self.state_names]:
                 full = chunk.flatten([shard_of(state[t.name][kind], t.param.shard) for t in chunk.tensors])

@@ -186,8 +186,8 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-# Chunked ZeRO-3 (parallel/zero_chunked.py): chunks only, or with blocks offloaded to cpu or disk under a device
-# budget (MiB) by ranks, measured to leave room for TINY's activations yet move blocks every step
+# Chunked ZeRO-3 (parallel/zero_chunked.py): chunks only, or with blocks offloaded to cpu or disk under
+# a device budget (MiB) by ranks, measured to leave room for TINY's activations yet move blocks every step
 BUDGET = {1: 0.45, 2: 0.25, 4: 0.15, 8: 0.1}
 CHUNKING = {"": lambda ranks: {}, "chunks": lambda ranks: dict(chunk_mb=0.01),
             "cpu": lambda ranks: dict(offload="cpu", device_mem_mb=BUDGET[ranks]),

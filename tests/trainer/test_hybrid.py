@@ -1,6 +1,6 @@
 """3D parallelism: every factorisation of the world into dp x pp x tp trains to the single-process numbers.
 
-    mpiexec -n K python -m pytest -m mpi tests/trainer/test_hybrid.py      # K = 4 and 8 (2 runs the dp/pp/tp pairs)
+    mpiexec -n K python -m pytest -m mpi tests/trainer/test_hybrid.py  # K = 4, 8 (2: the dp/pp/tp pairs)
 """
 
 from __future__ import annotations
