@@ -66,6 +66,17 @@ def no_grad():
 
 
 @contextlib.contextmanager
+def enable_grad():
+    """Record a graph even inside `no_grad` (activation recomputation records in backward)."""
+    global _grad_enabled
+    previous, _grad_enabled = _grad_enabled, True
+    try:
+        yield
+    finally:
+        _grad_enabled = previous
+
+
+@contextlib.contextmanager
 def cast_outputs(cast):
     """Round every Function's output and every gradient it returns with `cast` (mixed precision)."""
     global _output_cast
@@ -233,8 +244,11 @@ class Context:
         self.saved: tuple = ()
         self._saved_bytes = 0
         self.needs_input_grad: tuple[bool, ...] = ()
+        self.recording = True  # False when no graph is recorded: then nothing saved is kept or counted
 
     def save_for_backward(self, *arrays):
+        if not self.recording:  # a forward without a graph (no_grad, a recomputed block's first pass)
+            return  # must not show its arrays to the meter even for an instant: peaks are exact
         self.saved = arrays
         self._saved_bytes = sum(a.nbytes for a in arrays if hasattr(a, "nbytes"))
         activation_meter.add(self._saved_bytes)
@@ -273,6 +287,7 @@ class Function:
         arrays = [a.data if isinstance(a, Tensor) else a for a in args]
         needs_grad = _grad_enabled and any(isinstance(a, Tensor) and a.requires_grad for a in args)
         ctx.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        ctx.recording = needs_grad
         out = cls.forward(ctx, *arrays)
         if _output_cast is not None:
             out = _output_cast(out)

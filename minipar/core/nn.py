@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from minipar.core import functional as F
 from minipar.core.backend import current as current_backend
 from minipar.core.module import Module, ModuleList, Parameter, initial_value  # noqa: F401
+from minipar.core.recompute import checkpoint
 
 MODELS = ("gpt", "mlp")  # `minipar train --model`: GPT or MLPNet, both defined below
 
@@ -80,11 +81,19 @@ def causal_attention(q, k, v, n_head: int):
     return y.transpose(0, 2, 1, 3).reshape(B, T, C)
 
 
+def attention_core(q, k, v, n_head: int, recompute: bool = False):
+    """causal_attention; with `recompute` (`--recompute selective`) only q, k and v are kept for
+    backward, and the (B, n_head, T, T) scores and probabilities are recomputed there."""
+    if not recompute:
+        return causal_attention(q, k, v, n_head)
+    return checkpoint(lambda q, k, v: causal_attention(q, k, v, n_head), q, k, v)
+
+
 class CausalSelfAttention(Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, recompute_core: bool = False):
         super().__init__()
         d = cfg.d_model
-        self.n_head = cfg.n_head
+        self.n_head, self.recompute_core = cfg.n_head, recompute_core
         self.query = Linear(d, d, dtype=cfg.dtype)
         # No key bias: softmax is blind to a shift shared by all keys, so its gradient would be pure
         # roundoff, which Adam's normalisation turns into lr-sized noise that differs by layout.
@@ -93,7 +102,7 @@ class CausalSelfAttention(Module):
         self.proj = Linear(d, d, std=cfg.residual_std, dtype=cfg.dtype)
 
     def forward(self, x):
-        y = causal_attention(self.query(x), self.key(x), self.value(x), self.n_head)
+        y = attention_core(self.query(x), self.key(x), self.value(x), self.n_head, self.recompute_core)
         return self.proj(y)
 
 
@@ -109,16 +118,26 @@ class MLP(Module):
 
 
 class Block(Module):
-    """A pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """A pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)).
 
-    def __init__(self, cfg: GPTConfig, attn: Module | None = None, mlp: Module | None = None):
+    `recompute` (`--recompute full`): keep only the block's input for backward and run the block
+    again there (core/recompute.py)."""
+
+    def __init__(self, cfg: GPTConfig, attn: Module | None = None, mlp: Module | None = None,
+                 recompute: bool = False):
         super().__init__()
         self.ln_1 = LayerNorm(cfg.d_model, dtype=cfg.dtype)
         self.attn = attn or CausalSelfAttention(cfg)
         self.ln_2 = LayerNorm(cfg.d_model, dtype=cfg.dtype)
         self.mlp = mlp or MLP(cfg)
+        self.recompute = recompute
 
     def forward(self, x):
+        if not self.recompute:
+            return self.residual_branches(x)
+        return checkpoint(self.residual_branches, x, parameters=self.parameters())
+
+    def residual_branches(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -149,13 +168,16 @@ class GPTHead(Module):
 
 
 class GPT(Module):
-    """A GPT-2 style decoder (untied input and output embeddings, so pipeline stages stay separate)."""
+    """A GPT-2 style decoder (untied input and output embeddings, so pipeline stages stay separate).
 
-    def __init__(self, cfg: GPTConfig, seed: int | None = 0):
+    `recompute`: "none", "selective" (the attention cores) or "full" (whole blocks): core/recompute.py."""
+
+    def __init__(self, cfg: GPTConfig, seed: int | None = 0, recompute: str = "none"):
         super().__init__()
         self.config = cfg
         self.embed = GPTEmbedding(cfg)
-        self.blocks = ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.blocks = ModuleList([Block(cfg, CausalSelfAttention(cfg, recompute == "selective"),
+                                        recompute=recompute == "full") for _ in range(cfg.n_layer)])
         self.head = GPTHead(cfg)
         if seed is not None:
             self.init_parameters(seed)
@@ -190,12 +212,16 @@ class MLPConfig:
 class DenseLayer(Module):
     """Linear followed by GELU (or nothing, for the output layer): one pipeline unit of MLPNet."""
 
-    def __init__(self, d_in, d_out, activate: bool, dtype):
+    def __init__(self, d_in, d_out, activate: bool, dtype, recompute: bool = False):
         super().__init__()
         self.linear = Linear(d_in, d_out, std=1.0 / math.sqrt(d_in), dtype=dtype)
         self.activation = F.gelu if activate else None  # `train --fused` swaps in the fused GELU
+        self.recompute = recompute  # `--recompute full`: keep the input only, run again in backward
 
     def forward(self, x):
+        return checkpoint(self.dense, x, parameters=self.parameters()) if self.recompute else self.dense(x)
+
+    def dense(self, x):
         y = self.linear(x)
         return self.activation(y) if self.activation else y
 
@@ -203,11 +229,11 @@ class DenseLayer(Module):
 class MLPNet(Module):
     """A stack of dense layers trained by regression: the small model for quick experiments."""
 
-    def __init__(self, cfg: MLPConfig, seed: int | None = 0):
+    def __init__(self, cfg: MLPConfig, seed: int | None = 0, recompute: str = "none"):
         super().__init__()
         self.config = cfg
         widths = [cfg.d_in] + [cfg.d_hidden] * (cfg.n_layer - 1) + [cfg.d_out]
-        self.layers = ModuleList([DenseLayer(a, b, i < cfg.n_layer - 1, cfg.dtype)
+        self.layers = ModuleList([DenseLayer(a, b, i < cfg.n_layer - 1, cfg.dtype, recompute == "full")
                                   for i, (a, b) in enumerate(zip(widths, widths[1:]))])
         if seed is not None:
             self.init_parameters(seed)

@@ -44,9 +44,9 @@ def build_model(cfg, grid):
     """The parameters this rank holds, initialised from (seed, name) whatever the layout."""
     mcfg = model_config(cfg)
     if cfg.tp > 1:  # Megatron tensor parallelism, GPT only (trainer/validate.py)
-        model = TensorParallelGPT(mcfg, grid.tp, seed=None)
-    else:
-        model = GPT(mcfg, seed=None) if cfg.model == "gpt" else MLPNet(mcfg, seed=None)
+        model = TensorParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute)
+    else:  # --recompute: which activations backward recomputes instead of keeping (core/recompute.py)
+        model = (GPT if cfg.model == "gpt" else MLPNet)(mcfg, seed=None, recompute=cfg.recompute)
     if cfg.pp > 1:  # keep this stage's units only, under their global names
         model = pipeline.build_stage(model, grid.pp.size, grid.pp_rank)
     if cfg.fused:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from minipar.core.backend import BACKEND_ENV, BACKEND_NAMES
 from minipar.core.nn import MODELS
 from minipar.core.optim import OPTIMIZERS
+from minipar.core.recompute import RECOMPUTE_MODES
 from minipar.memory.offload import OFFLOADS, POLICIES
 from minipar.parallel.schedules import SCHEDULES
 from minipar.parallel.zero import STAGES
@@ -76,6 +77,9 @@ class TrainConfig:
     n_head: int = option(4, "attention heads per block")
     d_model: int = option(64, "width of the residual stream (GPT) or of the hidden layers (MLP)")
     bucket_mb: float = option(0.25, "DDP gradient bucket size")
+    recompute: str = option("none", "activations recomputed in backward instead of kept: the attention "
+                            "cores (selective) or whole blocks (full)", RECOMPUTE_MODES,
+                            single_process="none")
     fused: bool = option(False, "AdamW and GELU through the fusion interpreter")
     log: str | None = option(None, "JSON-lines log written by rank 0", single_process=None)
     save: str | None = option(None, "checkpoint directory written at the end", single_process=None)

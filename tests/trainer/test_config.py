@@ -48,6 +48,7 @@ FLAGS = {
     "--n-head": (4, None, int),
     "--d-model": (64, None, int),
     "--bucket-mb": (0.25, None, float),
+    "--recompute": ("none", ("none", "selective", "full"), str),
     "--fused": (False, None, SWITCH),
     "--log": (None, None, str),
     "--save": (None, None, str),

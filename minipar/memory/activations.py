@@ -1,0 +1,74 @@
+"""Activation memory as a formula: the bytes minipar's GPT saves for backward, per block and per rank.
+
+The idea: every array a Function saves for backward (core/autograd.py's activation meter counts
+them) is a product of the sizes s (sequence), b (micro-batch), h (d_model), a (heads), t (tensor
+parallel ranks) and V (vocabulary). Counting what each operation of a block saves, in values:
+
+    ln_1, ln_2        xhat (sbh) and 1/std (sb) each              2sbh + 2sb
+    query, key, value each saves its input x (replicated)         3sbh
+    attention core    q, k (sbh/t each); the scaled scores and the
+                      softmax (as²b/t each); softmax and v again
+                      for the weighted sum (as²b/t + sbh/t)       3sbh/t + 3as²b/t
+    proj (attention)  its input (sbh/t)                           sbh/t
+    fc, GELU, proj    fc's input sbh; GELU's input and proj's
+                      input, 4sbh/t each                          sbh + 8sbh/t
+
+    one block, none:       sbh(6 + 12/t) + 3as²b/t + 2sb     (t = 1: 18sbh + 3as²b + 2sb)
+    selective:             sbh(6 + 12/t) + 2sb               the core keeps only q, k, v: 3sbh/t
+    full:                  sbh                               the block's input only
+
+Korthikanti et al. (2022) count sbh(34 + 5as/h) for the same block: their activations are 2 bytes and
+their dropout masks 1 byte, and they count q, k and v's shared input once (minipar's meter counts it
+three times, once per Linear that saves it, and saves the scaled scores twice: for the scaling's and
+for softmax's backward). Their selective recomputation drops the 5as/h term as this one drops 3as²b/t.
+
+A run's peak adds the embedding (0 values; sbh + sb with tensor parallelism, whose lookup masks its
+rows) and the head (ln_f sbh + sb, lm_head's input sbh, the softmax sbV/t, the loss 1), and, with
+recomputation, the largest transient of backward: a block recomputed on top of the kept inputs.
+`gpt_activation_peak` is that high-water mark for one pipeline stage holding the whole model (pp = 1);
+the memory ledger's measured `activations_peak` equals it to the byte (tests/memory/test_activations.py).
+Lesson: lessons/01_autograd.md.
+"""
+
+from __future__ import annotations
+
+from minipar.core.shards import padded_bounds
+
+
+def block_activation_values(s: int, b: int, h: int, a: int, t: int = 1, recompute: str = "none") -> int:
+    """Values one transformer block keeps for backward on one tensor-parallel rank."""
+    if recompute == "full":
+        return s * b * h
+    kept = 6 * s * b * h + 12 * s * b * h // t + 2 * s * b
+    return kept if recompute == "selective" else kept + 3 * a * s * s * b // t
+
+
+def attention_core_values(s: int, b: int, h: int, a: int, t: int = 1) -> int:
+    """Values the attention core saves when it is recorded: q, k, v, the scores twice and softmax."""
+    return 3 * s * b * h // t + 3 * a * s * s * b // t
+
+
+def head_values(s: int, b: int, h: int, vocab: int, t: int = 1) -> int:
+    """ln_f (sbh + sb), lm_head's input (sbh), the vocab-parallel softmax (sb V/t, padded) and the loss."""
+    start, stop = padded_bounds(vocab, t, 0)
+    return 2 * s * b * h + s * b + s * b * (stop - start) + 1
+
+
+def embedding_values(s: int, b: int, h: int, t: int = 1) -> int:
+    """The token lookup saves nothing; tensor parallelism's multiplies by a mask, saving both factors."""
+    return 0 if t == 1 else s * b * h + s * b
+
+
+def gpt_activation_peak(s: int, b: int, h: int, a: int, n_layer: int, vocab: int, t: int = 1,
+                        recompute: str = "none", bytes_per_value: int = 8) -> int:
+    """The most bytes saved for backward at once during one micro-batch's forward and backward."""
+    kept = embedding_values(s, b, h, t) + n_layer * block_activation_values(s, b, h, a, t, recompute)
+    end_of_forward = kept + head_values(s, b, h, vocab, t)
+    if recompute == "none":
+        return end_of_forward * bytes_per_value
+    if recompute == "full":  # backward reruns the last block whole on top of every block's input
+        return max(end_of_forward, kept + block_activation_values(s, b, h, a, t)) * bytes_per_value
+    # selective: backward reruns the last block's core once its MLP and proj have been through
+    # backward (their 2sb + sbh + sbh(1 + 8/t) + sbh/t freed), on top of what remains of the block
+    freed = s * b + 2 * s * b * h + 9 * s * b * h // t
+    return max(end_of_forward, kept - freed + attention_core_values(s, b, h, a, t)) * bytes_per_value
