@@ -121,14 +121,15 @@ class Block(Module):
     """A pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)).
 
     `recompute` (`--recompute full`): keep only the block's input for backward and run the block
-    again there (core/recompute.py)."""
+    again there (core/recompute.py). `norm` makes the LayerNorms (sequence parallelism's work on a
+    piece of the sequence)."""
 
     def __init__(self, cfg: GPTConfig, attn: Module | None = None, mlp: Module | None = None,
-                 recompute: bool = False):
+                 recompute: bool = False, norm=LayerNorm):
         super().__init__()
-        self.ln_1 = LayerNorm(cfg.d_model, dtype=cfg.dtype)
+        self.ln_1 = norm(cfg.d_model, dtype=cfg.dtype)
         self.attn = attn or CausalSelfAttention(cfg)
-        self.ln_2 = LayerNorm(cfg.d_model, dtype=cfg.dtype)
+        self.ln_2 = norm(cfg.d_model, dtype=cfg.dtype)
         self.mlp = mlp or MLP(cfg)
         self.recompute = recompute
 

@@ -17,16 +17,26 @@ parallel ranks) and V (vocabulary). Counting what each operation of a block save
     selective:             sbh(6 + 12/t) + 2sb               the core keeps only q, k, v: 3sbh/t
     full:                  sbh                               the block's input only
 
+With sequence parallelism (parallel/sequence.py) the LayerNorms work on s/t positions, so their
+2sbh + 2sb become (2sbh + 2sb)/t, and full recomputation keeps sbh/t per block:
+
+    none, --sp:            sbh(4 + 14/t) + 3as²b/t + 2sb/t
+    selective, --sp:       sbh(4 + 14/t) + 2sb/t
+    full, --sp:            sbh/t
+
 Korthikanti et al. (2022) count sbh(34 + 5as/h) for the same block: their activations are 2 bytes and
 their dropout masks 1 byte, and they count q, k and v's shared input once (minipar's meter counts it
 three times, once per Linear that saves it, and saves the scaled scores twice: for the scaling's and
 for softmax's backward). Their selective recomputation drops the 5as/h term as this one drops 3as²b/t.
 
-A run's peak adds the embedding (0 values; sbh + sb with tensor parallelism, whose lookup masks its
-rows) and the head (ln_f sbh + sb, lm_head's input sbh, the softmax sbV/t, the loss 1), and, with
-recomputation, the largest transient of backward: a block recomputed on top of the kept inputs.
-`gpt_activation_peak` is that high-water mark for one pipeline stage holding the whole model (pp = 1);
-the memory ledger's measured `activations_peak` equals it to the byte (tests/memory/test_activations.py).
+The 4sbh left whole under --sp are the gathered inputs of query, key, value and fc: each Linear saves
+the input it multiplies, where Megatron saves the sequence piece and all-gathers it again in backward
+(their sbh(34/t + 5as/(ht)), everything divided by t). A run's peak adds the embedding (0 values;
+sbh + sb with tensor parallelism, whose lookup masks its rows) and the head (ln_f sbh + sb, over t
+with --sp; lm_head's input sbh; the softmax sbV/t; the loss 1), and, with recomputation, the largest
+transient of backward: a block recomputed on top of the kept inputs. `gpt_activation_peak` is that
+high-water mark for one pipeline stage holding the whole model (pp = 1); the memory ledger's measured
+`activations_peak` equals it to the byte (tests/parallel/test_recompute.py, test_sequence.py).
 Lesson: lessons/01_autograd.md.
 """
 
@@ -35,11 +45,14 @@ from __future__ import annotations
 from minipar.core.shards import padded_bounds
 
 
-def block_activation_values(s: int, b: int, h: int, a: int, t: int = 1, recompute: str = "none") -> int:
+def block_activation_values(s: int, b: int, h: int, a: int, t: int = 1, recompute: str = "none",
+                            sp: bool = False) -> int:
     """Values one transformer block keeps for backward on one tensor-parallel rank."""
+    p = t if sp else 1  # sequence parallelism: the LayerNorms and the block input on s/t positions
     if recompute == "full":
-        return s * b * h
-    kept = 6 * s * b * h + 12 * s * b * h // t + 2 * s * b
+        return s * b * h // p
+    layer_norms = 2 * (s * b * h + s * b) // p
+    kept = layer_norms + 4 * s * b * h + 12 * s * b * h // t  # q, k, v and fc inputs; the split rest
     return kept if recompute == "selective" else kept + 3 * a * s * s * b // t
 
 
@@ -48,10 +61,11 @@ def attention_core_values(s: int, b: int, h: int, a: int, t: int = 1) -> int:
     return 3 * s * b * h // t + 3 * a * s * s * b // t
 
 
-def head_values(s: int, b: int, h: int, vocab: int, t: int = 1) -> int:
-    """ln_f (sbh + sb), lm_head's input (sbh), the vocab-parallel softmax (sb V/t, padded) and the loss."""
+def head_values(s: int, b: int, h: int, vocab: int, t: int = 1, sp: bool = False) -> int:
+    """ln_f (sbh + sb, over tp with --sp), lm_head's input (sbh), the vocab-parallel softmax
+    (sb V/t, V padded to a multiple of t) and the loss (1)."""
     start, stop = padded_bounds(vocab, t, 0)
-    return 2 * s * b * h + s * b + s * b * (stop - start) + 1
+    return (s * b * h + s * b) // (t if sp else 1) + s * b * h + s * b * (stop - start) + 1
 
 
 def embedding_values(s: int, b: int, h: int, t: int = 1) -> int:
@@ -60,15 +74,16 @@ def embedding_values(s: int, b: int, h: int, t: int = 1) -> int:
 
 
 def gpt_activation_peak(s: int, b: int, h: int, a: int, n_layer: int, vocab: int, t: int = 1,
-                        recompute: str = "none", bytes_per_value: int = 8) -> int:
+                        recompute: str = "none", bytes_per_value: int = 8, sp: bool = False) -> int:
     """The most bytes saved for backward at once during one micro-batch's forward and backward."""
-    kept = embedding_values(s, b, h, t) + n_layer * block_activation_values(s, b, h, a, t, recompute)
-    end_of_forward = kept + head_values(s, b, h, vocab, t)
+    block = block_activation_values(s, b, h, a, t, recompute, sp)
+    kept = embedding_values(s, b, h, t) + n_layer * block
+    end_of_forward = kept + head_values(s, b, h, vocab, t, sp)
     if recompute == "none":
         return end_of_forward * bytes_per_value
     if recompute == "full":  # backward reruns the last block whole on top of every block's input
-        return max(end_of_forward, kept + block_activation_values(s, b, h, a, t)) * bytes_per_value
-    # selective: backward reruns the last block's core once its MLP and proj have been through
-    # backward (their 2sb + sbh + sbh(1 + 8/t) + sbh/t freed), on top of what remains of the block
-    freed = s * b + 2 * s * b * h + 9 * s * b * h // t
+        return max(end_of_forward, kept + block_activation_values(s, b, h, a, t, "none", sp)) * bytes_per_value
+    # selective: backward reruns the last block's core once ln_2, the MLP and proj have been through
+    # backward, on top of what remains of the block (ln_1, the q, k, v inputs, the core's q, k, v)
+    freed = (s * b * h + s * b) // (t if sp else 1) + s * b * h + 9 * s * b * h // t
     return max(end_of_forward, kept - freed + attention_core_values(s, b, h, a, t)) * bytes_per_value

@@ -125,13 +125,15 @@ class PipelineRunner(Runner):
     `timing()` is the measured busy and idle time of the last step, gathered over stages.
     """
 
-    def __init__(self, stage: PipelineStage, comm, schedule: str, microbatches: int, width: int, dtype):
+    def __init__(self, stage: PipelineStage, comm, schedule: str, microbatches: int, width: int, dtype,
+                 sequence_pieces: int = 1):
         self.stage, self.comm = stage, comm
         self.stages, self.rank = comm.size, comm.rank
         schedule_table = build_schedule(schedule, self.stages, microbatches)
         self.microbatches = check_schedule(schedule_table)  # naive runs one, whatever was asked
         self.actions = schedule_table[self.rank]
         self.width, self.dtype = width, dtype
+        self.sequence_pieces = sequence_pieces  # --sp: a stage boundary carries seq_len/tp positions
         self.in_flight: dict[int, tuple] = {}  # micro-batch -> (stage input, output), until its backward
         self.pending_sends: list[MPI.Request] = []  # this step's sends not yet known to be complete
         self.loss_sum = 0.0
@@ -195,9 +197,12 @@ class PipelineRunner(Runner):
             self.send(stage_input.grad, self.rank - 1, tag=2 * i + 1)
 
     def activation_shape(self, x) -> tuple:
-        """(*batch axes, width): token ids (B, T) become (B, T, d); features (B, d_in) become (B, d)."""
-        batch_axes = x.shape if np.issubdtype(x.dtype, np.integer) else x.shape[:-1]
-        return (*batch_axes, self.width)
+        """(*batch axes, width): token ids (B, T) become (B, T, d), or (B, T/tp, d) with --sp;
+        features (B, d_in) become (B, d)."""
+        if np.issubdtype(x.dtype, np.integer):
+            batch, positions = x.shape
+            return (batch, positions // self.sequence_pieces, self.width)
+        return (*x.shape[:-1], self.width)
 
     def send(self, array, dest: int, tag: int):
         self.pending_sends.append(self.comm.isend(array, dest, tag=tag))

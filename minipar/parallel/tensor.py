@@ -201,12 +201,16 @@ class VocabParallelEmbedding(Module):
                                 Shard((num_embeddings, embedding_dim), 0, self.start, self.stop))
 
     def forward(self, ids):
+        return reduce_from_tensor_parallel(self.partial_lookup(ids), self.comm)
+
+    def partial_lookup(self, ids):
+        """This rank's rows of the lookup, zeros for ids outside its range: one term of the sum."""
         xp = xp_of(self.weight.data)
         ids = xp.asarray(ids)
         outside = (ids < self.start) | (ids >= self.stop)
         rows = F.embedding(xp.where(outside, 0, ids - self.start), self.weight)
         mine = xp.asarray(~outside[..., None], dtype=self.weight.dtype)
-        return reduce_from_tensor_parallel(rows * mine, self.comm)
+        return rows * mine
 
 
 class VocabParallelCrossEntropy(Function):

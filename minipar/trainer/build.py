@@ -23,6 +23,7 @@ from minipar.fusion import training as fused_training
 from minipar.parallel import pipeline
 from minipar.parallel.api import LocalUpdater, MicrobatchRunner
 from minipar.parallel.ddp import DistributedDataParallel
+from minipar.parallel.sequence import SequenceParallelGPT
 from minipar.parallel.tensor_gpt import TensorParallelGPT
 from minipar.parallel.zero import ZeroStage1, ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
@@ -43,7 +44,9 @@ def model_config(cfg):
 def build_model(cfg, grid):
     """The parameters this rank holds, initialised from (seed, name) whatever the layout."""
     mcfg = model_config(cfg)
-    if cfg.tp > 1:  # Megatron tensor parallelism, GPT only (trainer/validate.py)
+    if cfg.sp:  # the replicated regions of tensor parallelism cut along the sequence
+        model = SequenceParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute)
+    elif cfg.tp > 1:  # Megatron tensor parallelism, GPT only (trainer/validate.py)
         model = TensorParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute)
     else:  # --recompute: which activations backward recomputes instead of keeping (core/recompute.py)
         model = (GPT if cfg.model == "gpt" else MLPNet)(mcfg, seed=None, recompute=cfg.recompute)
@@ -70,7 +73,8 @@ def chunked(cfg) -> bool:
 def build_runner(cfg, grid, model):
     """Forward and backward: through the pipeline's stages (--pp > 1), or micro-batch after micro-batch."""
     if cfg.pp > 1:
-        return pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model, cfg.dtype)
+        return pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model, cfg.dtype,
+                                       sequence_pieces=cfg.tp if cfg.sp else 1)
     return MicrobatchRunner(model, cfg.microbatches)
 
 

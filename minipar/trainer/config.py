@@ -50,6 +50,7 @@ class TrainConfig:
     tp: int = option(1, "tensor-parallel size", single_process=1)
     pp: int = option(1, "pipeline stages", single_process=1)
     zero: int = option(0, "ZeRO stage", STAGES, single_process=0)
+    sp: bool = option(False, "sequence parallelism inside --tp (needs --tp > 1)", single_process=False)
     microbatches: int = option(1, "micro-batches per replica's batch (gradients accumulate over them)",
                                single_process=1)
     schedule: str = option("1f1b", "pipeline schedule (with --pp > 1)", SCHEDULES)

@@ -28,6 +28,7 @@ FLAGS = {
     "--tp": (1, None, int),
     "--pp": (1, None, int),
     "--zero": (0, (0, 1, 2, 3), int),
+    "--sp": (False, None, SWITCH),
     "--microbatches": (1, None, int),
     "--schedule": ("1f1b", ("naive", "gpipe", "1f1b"), str),
     "--precision": ("fp32", ("fp64", "fp32", "bf16", "fp16"), str),

@@ -1,0 +1,246 @@
+"""Sequence parallelism (Korthikanti et al., 2022): the regions tensor parallelism leaves replicated,
+cut along the sequence.
+
+The idea. Between a row-parallel linear and the next column-parallel one (the residual add and the
+LayerNorm), Megatron's tensor parallelism (tensor.py) has every tp rank hold the whole (b, s, h)
+activation. Here each tp rank keeps s/tp positions of it instead. Where the activation leaves a
+tensor-parallel region the partial sums are reduce-scattered along the sequence (not all-reduced),
+and where it enters the next one the pieces are all-gathered:
+
+    tensor parallelism    ... -> g (all-reduce)      -> LN, residual on (b, s, h)    -> f (identity) -> ...
+    sequence parallelism  ... -> reduce-scatter (s)  -> LN, residual on (b, s/t, h)  -> all-gather   -> ...
+
+An all-reduce is a reduce-scatter and an all-gather, so the activations cross the wire with the same
+bytes as under tensor parallelism (each collective's backward is the other one). The replicated
+parameters used on a piece of the sequence (LayerNorm weights and biases, the row-parallel biases,
+the position embedding: Megatron marks them `sequence_parallel`) get only their piece's gradient on
+each tp rank; a small all-reduce of their gradients over tp (in backward, micro-batch by micro-batch,
+so that ZeRO-2/3 reduce-scatter summed gradients) makes them whole.
+
+What it saves: the LayerNorm and residual activations, and the block inputs that full recomputation
+keeps, divided by tp (memory/activations.py has the bytes). What it costs: the bytes of tensor
+parallelism plus 2(t-1)/t times the replicated parameters' gradient bytes per micro-batch.
+Lesson: lessons/05_tensor_parallel.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import cast
+
+from minipar.core import functional as F
+from minipar.core.autograd import Function
+from minipar.core.backend import xp_of
+from minipar.core.nn import (
+    Block,
+    GPTConfig,
+    GPTEmbedding,
+    GPTHead,
+    LayerNorm,
+    Module,
+    ModuleList,
+    attention_core,
+)
+from minipar.parallel.tensor import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelMLP,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from minipar.parallel.tensor_gpt import TensorParallelGPT
+
+# ---- the two collectives along the sequence, each the other's adjoint -------------------------------
+
+
+def _sequence_first(x):
+    """(b, s, h) as a contiguous (s, b, h): each rank's run of positions becomes one flat shard."""
+    return xp_of(x).ascontiguousarray(x.transpose(1, 0, 2))
+
+
+def all_gather_sequence(x, comm):
+    """Every rank's (b, s/t, h) piece, concatenated along the sequence into (b, s, h)."""
+    b, piece, h = x.shape
+    gathered = comm.all_gather(_sequence_first(x), numel=x.size * comm.size)
+    return gathered.reshape(piece * comm.size, b, h).transpose(1, 0, 2)
+
+
+def reduce_scatter_sequence(x, comm):
+    """The sum over ranks of (b, s, h) partial results, of which this rank keeps its s/t positions."""
+    b, s, h = x.shape
+    return comm.reduce_scatter(_sequence_first(x)).reshape(s // comm.size, b, h).transpose(1, 0, 2)
+
+
+class GatherFromSequenceParallel(Function):
+    """Entering a tensor-parallel region: all-gather along the sequence; backward reduce-scatters
+    (every rank's columns contributed to the gradient of every position)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return all_gather_sequence(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.comm), None
+
+
+class ReduceScatterToSequenceParallel(Function):
+    """Leaving a tensor-parallel region: the partial sums reduce-scattered along the sequence;
+    backward all-gathers the pieces' gradients (each rank's partial needs the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return reduce_scatter_sequence(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.comm), None
+
+
+class ReplicatedOnSequencePiece(Function):
+    """A replicated parameter used on this rank's piece of the sequence: backward all-reduces its
+    gradient over tp (the sum over the pieces is the whole gradient). The forward hands out a copy of
+    the (small) parameter rather than the array itself, so no reference to a buffer ZeRO-3 gathered
+    outlives the unit's forward through the operations that read it in backward."""
+
+    @staticmethod
+    def forward(ctx, parameter, comm):
+        ctx.comm = comm
+        return parameter.copy()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad), None
+
+
+def gather_from_sequence_parallel(x, comm):
+    return GatherFromSequenceParallel.apply(x, comm)
+
+
+def reduce_scatter_to_sequence_parallel(x, comm):
+    return ReduceScatterToSequenceParallel.apply(x, comm)
+
+
+def replicated_on_sequence_piece(parameter, comm):
+    return ReplicatedOnSequencePiece.apply(parameter, comm)
+
+
+# ---- the layers: tensor.py's, with the collectives along the sequence ---------------------------------
+
+
+class SequenceParallelLayerNorm(LayerNorm):
+    """nn.LayerNorm on this rank's (b, s/t, h) piece; its weight and bias gradients summed over tp."""
+
+    def __init__(self, dim, comm, eps=1e-5, dtype="float64"):
+        super().__init__(dim, eps, dtype)
+        self.comm = comm
+
+    def forward(self, x):
+        weight = replicated_on_sequence_piece(self.weight, self.comm)
+        return F.layer_norm(x, weight, replicated_on_sequence_piece(self.bias, self.comm), self.eps)
+
+
+class SequenceParallelRowLinear(RowParallelLinear):
+    """RowParallelLinear whose partial sums are reduce-scattered along the sequence (not all-reduced);
+    the replicated bias is added on this rank's positions."""
+
+    def forward(self, x_parallel):
+        y = reduce_scatter_to_sequence_parallel(F.linear(x_parallel, self.weight), self.comm)
+        return y + replicated_on_sequence_piece(self.bias, self.comm) if self.bias is not None else y
+
+
+class SequenceParallelAttention(ParallelAttention):
+    """ParallelAttention entered by an all-gather of the sequence and left by a reduce-scatter."""
+
+    def __init__(self, cfg, comm, recompute_core: bool = False):
+        super().__init__(cfg, comm, recompute_core)
+        self.proj = SequenceParallelRowLinear(cfg.d_model, cfg.d_model, comm, std=cfg.residual_std,
+                                              dtype=cfg.dtype)
+
+    def forward(self, x):
+        x = gather_from_sequence_parallel(x, self.comm)
+        y = attention_core(self.query(x), self.key(x), self.value(x), self.local_heads, self.recompute_core)
+        return self.proj(y)
+
+
+class SequenceParallelMLP(ParallelMLP):
+    """ParallelMLP entered by an all-gather of the sequence and left by a reduce-scatter."""
+
+    def __init__(self, cfg, comm):
+        super().__init__(cfg, comm)
+        d, self.comm = cfg.d_model, comm
+        self.fc = ColumnParallelLinear(d, 4 * d, comm, input_is_copied=True, dtype=cfg.dtype)
+        self.proj = SequenceParallelRowLinear(4 * d, d, comm, std=cfg.residual_std, dtype=cfg.dtype)
+
+    def forward(self, x):
+        return self.proj(self.activation(self.fc(gather_from_sequence_parallel(x, self.comm))))
+
+
+class SequenceParallelEmbedding(GPTEmbedding):
+    """The vocab-parallel lookup's partial sums reduce-scattered along the sequence, then this rank's
+    positions of the position embedding added (its gradient summed over tp)."""
+
+    def __init__(self, cfg: GPTConfig, comm):
+        super().__init__(cfg, wte=VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, comm, dtype=cfg.dtype))
+        self.comm = comm
+
+    def forward(self, ids):
+        partial = cast(VocabParallelEmbedding, self.wte).partial_lookup(ids)
+        tokens = reduce_scatter_to_sequence_parallel(partial, self.comm)
+        piece = ids.shape[1] // self.comm.size
+        positions = xp_of(self.wpe.weight.data).arange(self.comm.rank * piece, (self.comm.rank + 1) * piece)
+        return tokens + F.embedding(positions, replicated_on_sequence_piece(self.wpe.weight, self.comm))
+
+
+class SequenceParallelHead(GPTHead):
+    """ln_f on this rank's positions, then the sequence all-gathered into the vocab-parallel lm_head."""
+
+    def __init__(self, cfg: GPTConfig, comm):
+        lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, comm, bias=False, input_is_copied=True,
+                                       dtype=cfg.dtype)
+        super().__init__(cfg, lm_head=lm_head)
+        self.ln_f = SequenceParallelLayerNorm(cfg.d_model, comm, dtype=cfg.dtype)
+        self.comm, self.vocab_start = comm, lm_head.start
+
+    def forward(self, x):
+        return self.lm_head(gather_from_sequence_parallel(self.ln_f(x), self.comm))
+
+
+class SequenceParallelGPT(TensorParallelGPT):
+    """TensorParallelGPT with its replicated regions cut along the sequence: the same parameter names,
+    shards and `units()`, so initialisation, checkpoints, ZeRO and the pipeline need no change. The
+    units pass (b, s/tp, d_model) pieces between them; the loss is TensorParallelGPT's."""
+
+    def __init__(self, cfg: GPTConfig, comm, seed: int | None = 0, recompute: str = "none"):
+        Module.__init__(self)
+        self.config, self.comm = cfg, comm
+        self.embed = SequenceParallelEmbedding(cfg, comm)
+        norm = functools.partial(SequenceParallelLayerNorm, comm=comm)
+        self.blocks = ModuleList([
+            Block(cfg, attn=SequenceParallelAttention(cfg, comm, recompute == "selective"),
+                  mlp=SequenceParallelMLP(cfg, comm), recompute=recompute == "full", norm=norm)
+            for _ in range(cfg.n_layer)])
+        self.head = SequenceParallelHead(cfg, comm)
+        self.vocab_start = self.head.vocab_start
+        if seed is not None:
+            self.init_parameters(seed)
+
+
+# ---- what `minipar train --sp` needs (trainer/validate.py gathers it) ----------------------------------
+
+
+def config_errors(cfg) -> list[str]:
+    """--sp cuts the GPT's sequence over the tensor-parallel ranks: it needs them, and equal pieces."""
+    if not cfg.sp:
+        return []
+    if cfg.model != "gpt":
+        return ["--sp needs --model gpt (sequence parallelism cuts the GPT's sequence; the MLP has none)"]
+    if cfg.tp < 2:
+        return [f"--sp needs --tp > 1, got --tp {cfg.tp} (sequence parallelism splits the sequence over "
+                "the tensor-parallel ranks)"]
+    if cfg.seq_len % cfg.tp:
+        return [f"--sp: --seq-len {cfg.seq_len} is not divisible by --tp {cfg.tp} "
+                "(each tensor-parallel rank keeps seq_len/tp positions)"]
+    return []
