@@ -82,7 +82,8 @@ def gpt_activation_peak(s: int, b: int, h: int, a: int, n_layer: int, vocab: int
     if recompute == "none":
         return end_of_forward * bytes_per_value
     if recompute == "full":  # backward reruns the last block whole on top of every block's input
-        return max(end_of_forward, kept + block_activation_values(s, b, h, a, t, "none", sp)) * bytes_per_value
+        recomputed = block_activation_values(s, b, h, a, t, "none", sp)
+        return max(end_of_forward, kept + recomputed) * bytes_per_value
     # selective: backward reruns the last block's core once ln_2, the MLP and proj have been through
     # backward, on top of what remains of the block (ln_1, the q, k, v inputs, the core's q, k, v)
     freed = (s * b * h + s * b) // (t if sp else 1) + s * b * h + 9 * s * b * h // t
