@@ -117,6 +117,14 @@ def test_recomputation_saves_what_the_formula_says_at_long_sequences():
     assert peaks["full"] < peaks["selective"] < peaks["none"]
 
 
+def test_bench_recompute_reports_the_formulas_peaks():
+    from minipar.bench.recompute import recompute_figures
+
+    figures = recompute_figures(seq_len=8, batch=2, precision="fp64", repeats=1)
+    assert [row["recompute"] for row in figures["modes"]] == list(MODES)
+    assert all(row["activations_peak"] == row["formula"] for row in figures["modes"])
+
+
 def test_mlp_trains_like_one_process_with_full_recomputation():
     cfg = tiny(model="mlp", recompute="full", microbatches=2)
     records, full = train(cfg)
