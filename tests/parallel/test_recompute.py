@@ -20,7 +20,7 @@ from mpi_harness import mpi_given, needs_world_size
 from minipar.bench.layouts import factorisations
 from minipar.core import functional as F
 from minipar.core import nn
-from minipar.core.autograd import Tensor, activation_meter
+from minipar.core.autograd import Tensor, activation_meter, no_grad
 from minipar.core.recompute import checkpoint
 from minipar.core.shards import shard_sizes
 from minipar.dist.comm import ring_bytes_sent
@@ -68,6 +68,17 @@ def test_checkpoint_gives_the_gradients_of_the_plain_function(seed, shape):
     (x_plain, w_plain), (x_recomputed, w_recomputed) = grads
     np.testing.assert_array_equal(x_recomputed, x_plain)  # the same arithmetic: bit for bit
     np.testing.assert_array_equal(w_recomputed, w_plain)
+
+
+def test_a_forward_without_a_graph_never_reaches_the_meter():
+    """Recomputation's first pass runs under no_grad: not even a momentary byte may show in the peak."""
+    model = nn.GPT(nn.GPTConfig(n_layer=1, n_head=2, d_model=4), seed=0)
+    ids = np.zeros((2, 8), dtype=np.int64)
+    activation_meter.reset_peak()
+    before = activation_meter.current
+    with no_grad():
+        model(ids)
+    assert activation_meter.peak == before == activation_meter.current
 
 
 @settings(max_examples=4, deadline=None)
