@@ -81,10 +81,13 @@ def causal_attention(q, k, v, n_head: int):
 
 
 class CausalSelfAttention(Module):
-    def __init__(self, cfg: GPTConfig):
+    """`attention(q, k, v, n_head)` computes the heads' outputs: causal_attention, or one that splits
+    the sequence over ranks (parallel/context.py's ring attention)."""
+
+    def __init__(self, cfg: GPTConfig, attention=causal_attention):
         super().__init__()
         d = cfg.d_model
-        self.n_head = cfg.n_head
+        self.n_head, self.attention = cfg.n_head, attention
         self.query = Linear(d, d, dtype=cfg.dtype)
         # No key bias: softmax is blind to a shift shared by all keys, so its gradient would be pure
         # roundoff, which Adam's normalisation turns into lr-sized noise that differs by layout.
@@ -93,7 +96,7 @@ class CausalSelfAttention(Module):
         self.proj = Linear(d, d, std=cfg.residual_std, dtype=cfg.dtype)
 
     def forward(self, x):
-        y = causal_attention(self.query(x), self.key(x), self.value(x), self.n_head)
+        y = self.attention(self.query(x), self.key(x), self.value(x), self.n_head)
         return self.proj(y)
 
 
@@ -149,13 +152,15 @@ class GPTHead(Module):
 
 
 class GPT(Module):
-    """A GPT-2 style decoder (untied input and output embeddings, so pipeline stages stay separate)."""
+    """A GPT-2 style decoder (untied input and output embeddings, so pipeline stages stay separate).
+    `attention`: how each block's attention combines q, k, v (see CausalSelfAttention)."""
 
-    def __init__(self, cfg: GPTConfig, seed: int | None = 0):
+    def __init__(self, cfg: GPTConfig, seed: int | None = 0, attention=causal_attention):
         super().__init__()
         self.config = cfg
         self.embed = GPTEmbedding(cfg)
-        self.blocks = ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.blocks = ModuleList([Block(cfg, attn=CausalSelfAttention(cfg, attention))
+                                  for _ in range(cfg.n_layer)])
         self.head = GPTHead(cfg)
         if seed is not None:
             self.init_parameters(seed)

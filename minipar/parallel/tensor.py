@@ -167,12 +167,13 @@ class ParallelAttention(Module):
     n_head / tp whole heads and computes their attention alone; proj by rows.
     One all-reduce forward (g, in proj), one backward (the f shared by query, key and value)."""
 
-    def __init__(self, cfg, comm):
+    def __init__(self, cfg, comm, attention=causal_attention):
         super().__init__()
         if cfg.n_head % comm.size:
             raise ValueError(f"ParallelAttention: {cfg.n_head} heads do not split over tp={comm.size}")
         d = cfg.d_model
         self.comm, self.local_heads = comm, cfg.n_head // comm.size
+        self.attention = attention  # over this rank's heads: causal_attention, or context.py's ring
         self.query = ColumnParallelLinear(d, d, comm, input_is_copied=True, dtype=cfg.dtype)
         self.key = ColumnParallelLinear(d, d, comm, bias=False, input_is_copied=True, dtype=cfg.dtype)
         self.value = ColumnParallelLinear(d, d, comm, input_is_copied=True, dtype=cfg.dtype)
@@ -181,7 +182,7 @@ class ParallelAttention(Module):
     def forward(self, x):
         # One f for all three: autograd adds their input gradients locally, then f all-reduces once.
         x = copy_to_tensor_parallel(x, self.comm)
-        y = causal_attention(self.query(x), self.key(x), self.value(x), self.local_heads)
+        y = self.attention(self.query(x), self.key(x), self.value(x), self.local_heads)
         return self.proj(y)
 
 

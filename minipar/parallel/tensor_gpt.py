@@ -12,7 +12,7 @@ replicas compose around it. Lesson: lessons/05_tensor_parallel.md.
 
 from __future__ import annotations
 
-from minipar.core.nn import GPT, Block, GPTConfig, GPTEmbedding, GPTHead, Module, ModuleList
+from minipar.core.nn import GPT, Block, GPTConfig, GPTEmbedding, GPTHead, Module, ModuleList, causal_attention
 from minipar.parallel.tensor import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -26,13 +26,13 @@ class TensorParallelGPT(GPT):
     """nn.GPT with every weight matrix split over `comm` (Megatron's layout); `units()` and `forward()`
     are GPT's own."""
 
-    def __init__(self, cfg: GPTConfig, comm, seed: int | None = 0):
+    def __init__(self, cfg: GPTConfig, comm, seed: int | None = 0, attention=causal_attention):
         Module.__init__(self)  # GPT's three parts, built here from split layers instead of dense ones
         self.config, self.comm = cfg, comm
         wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, comm, dtype=cfg.dtype)
         self.embed = GPTEmbedding(cfg, wte=wte)
-        self.blocks = ModuleList([Block(cfg, attn=ParallelAttention(cfg, comm), mlp=ParallelMLP(cfg, comm))
-                                  for _ in range(cfg.n_layer)])
+        self.blocks = ModuleList([Block(cfg, attn=ParallelAttention(cfg, comm, attention),
+                                        mlp=ParallelMLP(cfg, comm)) for _ in range(cfg.n_layer)])
         lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, comm, bias=False, dtype=cfg.dtype)
         self.head = GPTHead(cfg, lm_head=lm_head)
         self.vocab_start = lm_head.start  # the loss needs it even on a pipeline stage without the head

@@ -18,9 +18,9 @@ Lesson: lessons/07_3d.md.
 from __future__ import annotations
 
 from minipar.core import optim
-from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet
+from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet, causal_attention
 from minipar.fusion import training as fused_training
-from minipar.parallel import pipeline
+from minipar.parallel import context, pipeline
 from minipar.parallel.api import LocalUpdater, MicrobatchRunner
 from minipar.parallel.ddp import DistributedDataParallel
 from minipar.parallel.tensor_gpt import TensorParallelGPT
@@ -43,10 +43,12 @@ def model_config(cfg):
 def build_model(cfg, grid):
     """The parameters this rank holds, initialised from (seed, name) whatever the layout."""
     mcfg = model_config(cfg)
+    # --cp: the sequence split over grid.cp, attention as a ring (parallel/context.py)
+    attention = context.RingAttentionOver(grid.cp) if cfg.cp > 1 else causal_attention
     if cfg.tp > 1:  # Megatron tensor parallelism, GPT only (trainer/validate.py)
-        model = TensorParallelGPT(mcfg, grid.tp, seed=None)
+        model = TensorParallelGPT(mcfg, grid.tp, seed=None, attention=attention)
     else:
-        model = GPT(mcfg, seed=None) if cfg.model == "gpt" else MLPNet(mcfg, seed=None)
+        model = GPT(mcfg, seed=None, attention=attention) if cfg.model == "gpt" else MLPNet(mcfg, seed=None)
     if cfg.pp > 1:  # keep this stage's units only, under their global names
         model = pipeline.build_stage(model, grid.pp.size, grid.pp_rank)
     if cfg.fused:
@@ -68,14 +70,22 @@ def chunked(cfg) -> bool:
 
 
 def build_runner(cfg, grid, model):
-    """Forward and backward: through the pipeline's stages (--pp > 1), or micro-batch after micro-batch."""
+    """Forward and backward: through the pipeline's stages (--pp > 1), or micro-batch after micro-batch;
+    on this rank's positions of the sequence with --cp."""
     if cfg.pp > 1:
-        return pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model, cfg.dtype)
-    return MicrobatchRunner(model, cfg.microbatches)
+        runner = pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model,
+                                         cfg.dtype)
+    else:
+        runner = MicrobatchRunner(model, cfg.microbatches)
+    if cfg.cp > 1:
+        positions = context.zigzag_positions(cfg.seq_len, grid.cp.size, grid.cp_rank)
+        runner = context.ContextParallelRunner(runner, model, positions)
+    return runner
 
 
 def build_updater(cfg, grid, model, scaler=None):
-    """The step across data-parallel replicas: chunked ZeRO-3, ZeRO 1-3, DDP, or a plain step (dp=1)."""
+    """The step across data-parallel replicas: chunked ZeRO-3, ZeRO 1-3, DDP, or a plain step (dp=1).
+    With --cp the replicas of the parameters are the dp x cp ranks (grid.dp_cp)."""
 
     def optimizer_of(params):  # fp16: inside a loss-scaling optimizer (`scaler`, or PyTorch's defaults)
         return mixed_precision.loss_scaling_optimizer(cfg, build_optimizer(cfg, params), grid.world, scaler)
@@ -84,11 +94,11 @@ def build_updater(cfg, grid, model, scaler=None):
         return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # parallel/zero_chunked.py
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
         stage = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}[cfg.zero]
-        return stage(model, optimizer_of([]), grid.dp)
-    if cfg.zero == 0 and grid.dp.size > 1:
+        return stage(model, optimizer_of([]), grid.dp_cp)
+    if cfg.zero == 0 and grid.dp_cp.size > 1:
         optimizer = optimizer_of(model.parameters())
-        return DistributedDataParallel(model, optimizer, grid.dp, cfg.bucket_mb,
-                                       mixed_precision.gradient_all_reduce(cfg.precision, grid.dp))
+        return DistributedDataParallel(model, optimizer, grid.dp_cp, cfg.bucket_mb,
+                                       mixed_precision.gradient_all_reduce(cfg.precision, grid.dp_cp))
     return LocalUpdater(model, optimizer_of(model.parameters()))
 
 
