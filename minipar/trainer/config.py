@@ -45,11 +45,11 @@ def option(default, help: str, choices=None, *, command_line: bool = True, env: 
 @dataclass
 class TrainConfig:
     model: str = option("gpt", "the model: a GPT on digit addition, or an MLP on regression", MODELS)
-    dp: int | None = option(None, "data-parallel size (default: world / (tp*pp*cp))", single_process=1)
+    dp: int | None = option(None, "data-parallel size (default: world / (tp*pp))", single_process=1)
     tp: int = option(1, "tensor-parallel size", single_process=1)
     pp: int = option(1, "pipeline stages", single_process=1)
     cp: int = option(1, "context-parallel size: the sequence split over cp ranks, attention as a ring "
-                     "(parallel/context.py)", single_process=1)
+                     "(parallel/context.py); --dp then defaults to world / (tp*pp*cp)", single_process=1)
     zero: int = option(0, "ZeRO stage", STAGES, single_process=0)
     microbatches: int = option(1, "micro-batches per replica's batch (gradients accumulate over them)",
                                single_process=1)
