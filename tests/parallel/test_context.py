@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from mpi4py import MPI
 from mpi_harness import mpi_given, needs_world_size
 
+from minipar.bench.context import work_map
 from minipar.core.autograd import Tensor
 from minipar.core.nn import causal_attention
 from minipar.dist.comm import Comm
@@ -59,9 +60,12 @@ def test_the_ranks_hold_every_position_once_and_equal_causal_work(cp, chunk):
 
 
 def test_a_contiguous_split_would_not_balance():
-    """What the zig-zag is for: with contiguous halves rank r would see 2r+1 key chunks per query chunk,
-    so the last rank of 4 would do 7/1 the blocks of the first; zig-zag pairs chunk r with 2C-1-r."""
+    """What the zig-zag is for, counted by hand on the 8 x 8 chunk grid of cp = 4: contiguous pairs of
+    chunks (2r, 2r+1) give rank r 1+2, 3+4, 5+6, 7+8 blocks; zig-zag pairs chunk r with 7-r, r+1 + 8-r = 9."""
     assert chunks_of(0, 4) == (0, 7) and chunks_of(3, 4) == (3, 4)
+    for zigzag, expected in ((False, [3, 7, 11, 15]), (True, [9, 9, 9, 9])):
+        cells = work_map(4, zigzag)
+        assert [sum(row.count(rank) for row in cells) for rank in range(4)] == expected
 
 
 # ---- the online softmax and ring attention on one rank -----------------------------------------------
