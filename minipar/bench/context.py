@@ -96,7 +96,8 @@ def draw_work_map(cp: int, zigzag: bool = True) -> str:
     """work_map as text: one row per query chunk, the computing rank's digit in each block it computes."""
     cells = work_map(cp, zigzag)
     counts = [sum(row.count(rank) for row in cells) for rank in range(cp)]
-    lines = [f"{'zig-zag' if zigzag else 'contiguous'} split, cp={cp}: query chunk (row) x key chunk (column)"]
+    split = "zig-zag" if zigzag else "contiguous"
+    lines = [f"{split} split, cp={cp}: query chunk (row) x key chunk (column)"]
     lines += [f"  q{a:<2d} " + " ".join("." if cell is None else str(cell) for cell in row)
               for a, row in enumerate(cells)]
     lines.append("  blocks per rank: " + ", ".join(f"rank {r} {n}" for r, n in enumerate(counts)))

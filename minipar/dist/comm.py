@@ -9,6 +9,7 @@ each call to a ``TrafficLedger`` by the bandwidth-optimal ring cost per rank (S 
     all_gather       (N-1)/N * S      (S = the full output)
     broadcast              S          (a pipelined broadcast: each rank forwards the payload once)
     send                   S          (charged to the sender; recv is free)
+    sendrecv               S          (one hop of a ring: the send half is charged, as send)
 
 What it saves: nothing by itself; it makes the cost of every technique visible and testable.
 What it costs: nothing extra on the wire. Lesson: lessons/02_collectives.md.

@@ -62,7 +62,8 @@ def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None)
     unit = "tokens/s" if cfg.model == "gpt" else "samples/s"
     lines = [
         "",
-        f"layout: dp={cfg.dp} pp={cfg.pp} {f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} zero={zero_stage(cfg)} precision={cfg.precision} "
+        f"layout: dp={cfg.dp} pp={cfg.pp} {f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} "
+        f"zero={zero_stage(cfg)} precision={cfg.precision} "
         f"microbatches={cfg.microbatches} schedule={cfg.schedule if cfg.pp > 1 else '-'}",
         f"loss: first {records[0]['loss']:.4f}, last {last['loss']:.4f} over {len(records)} steps",
         f"speed: {rate:,.0f} {unit} (median over steps after the first)",

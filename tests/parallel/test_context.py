@@ -129,10 +129,12 @@ def test_bad_cp_is_refused_in_one_line():
 
 
 def test_the_command_line_refuses_a_bad_cp_with_exit_code_2():
-    done = subprocess.run([sys.executable, "-m", "minipar", "train", "--cp", "3", "--seq-len", "8", "--dp", "1",
-                           "--steps", "1"], capture_output=True, text=True, timeout=60)
+    command = [sys.executable, "-m", "minipar", "train", "--cp", "3", "--seq-len", "8", "--dp", "1",
+               "--steps", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
-    assert done.stderr.startswith("minipar train: error: dp*tp*pp*cp = 1*1*1*3 = 3 does not match the world size 1")
+    assert done.stderr.startswith("minipar train: error: dp*tp*pp*cp = 1*1*1*3 = 3 does not match the "
+                                  "world size 1")
     assert "--seq-len 8 is not divisible by 2*cp = 6" in done.stderr
 
 
@@ -186,7 +188,8 @@ def test_cp_with_each_dimension_trains_like_one_process(layout, seed):
 
 @needs_world_size(2, 8)
 @mpi_given(max_examples=3, grid=st.sampled_from(grids(WORLD.size) or [(1, 1, 1, 1)]),
-           zero=st.sampled_from([0, 1, 2, 3]), microbatches=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+           zero=st.sampled_from([0, 1, 2, 3]), microbatches=st.sampled_from([1, 2]),
+           seed=st.integers(0, 2**16))
 def test_random_layouts_with_cp_train_like_one_process(grid, zero, microbatches, seed):
     dp, pp, cp, tp = grid
     trains_like_one_process(tiny(dp=dp, pp=pp, cp=cp, tp=tp, zero=zero, seed=seed,
@@ -215,13 +218,14 @@ def test_cp_bytes_per_step_equal_their_formula(microbatches):
     per_layer = (cp - 1) * 2 * S + (cp - 1) * 4 * S + 2 * S
     assert comm["by_dim_op"]["cp"] == {"send": cfg.n_layer * microbatches * per_layer}
     n = dp * cp
-    padded = sum(-(-sum(p.size for p in unit.parameters()) // n) * n for _, unit in trainer.engine.model.units())
+    units = trainer.engine.model.units()
+    padded = sum(-(-sum(p.size for p in unit.parameters()) // n) * n for _, unit in units)
     assert comm["by_dim_op"]["dp_cp"] == {"reduce_scatter": (n - 1) * padded // n * w,
                                           "all_gather": (n - 1) * padded // n * w}
     assert comm["by_dim"].get("dp", 0) == 0
     if tp == 1:  # messages: the ring's, then ZeRO-1's N-1 per collective, two collectives per unit
         cp_messages = cfg.n_layer * microbatches * (2 * (cp - 1) + 1)
-        assert comm["messages"] == cp_messages + 2 * (n - 1) * len(trainer.engine.model.units())
+        assert comm["messages"] == cp_messages + 2 * (n - 1) * len(units)
 
 
 # ---- activation memory ---------------------------------------------------------------------------------
@@ -267,8 +271,8 @@ def on_ranks(ranks: int, cfg: TrainConfig):
         sub.Free()
 
 
-RESUMABLE = [(1, 1, 1, 1, 0), (2, 1, 1, 1, 1), (1, 1, 2, 1, 0), (1, 1, 2, 1, 3), (2, 1, 2, 1, 2), (1, 1, 4, 1, 0),
-             (1, 1, 2, 2, 1), (1, 2, 2, 1, 0)]  # (dp, pp, cp, tp, zero)
+RESUMABLE = [(1, 1, 1, 1, 0), (2, 1, 1, 1, 1), (1, 1, 2, 1, 0), (1, 1, 2, 1, 3), (2, 1, 2, 1, 2),
+             (1, 1, 4, 1, 0), (1, 1, 2, 2, 1), (1, 2, 2, 1, 0)]  # (dp, pp, cp, tp, zero)
 
 
 def resumable(world: int) -> list[tuple]:
