@@ -5,9 +5,11 @@ The process grid (dist/comm.py's ProcessGrid) puts tp fastest-varying, so tensor
 neighbours ("TP inside a node"), then pp, then dp. Each part of the engine is chosen by the config in
 a function of its own, from the techniques in minipar/parallel:
 
-    build_model      the parameters this rank holds: tensor_gpt.py's layers, pipeline.py's stage
+    build_model      the parameters this rank holds: tensor_gpt.py's layers, pipeline.py's stage,
+                     with context.py's ring attention under --cp
     build_optimizer  SGD or AdamW (fused or not)
-    build_runner     pipeline.py's schedule over stages, or api.py's micro-batch loop
+    build_runner     pipeline.py's schedule over stages, or api.py's micro-batch loop (on this rank's
+                     positions of the sequence under --cp: context.py)
     build_updater    how gradients are combined across replicas: ddp.py, zero.py, zero3.py,
                      zero_chunked.py, or api.py's plain step
     build_engine     the three, wrapped by precision/mixed.py for bf16 and fp16
