@@ -146,7 +146,7 @@ def build_manifest(engine, step: int, folder: str, files: list) -> dict:
         "seed": cfg.seed,
         "model": model_identity(cfg, engine.model.config),
         "layout": {"world_size": engine.grid.world.size, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
-                   "zero": cfg.zero, "offload": cfg.offload, "precision": cfg.precision},
+                   "cp": cfg.cp, "zero": cfg.zero, "offload": cfg.offload, "precision": cfg.precision},
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "folder": folder,
         "files": {file: {"bytes": size, "sha256": digest} for file, size, digest, _, _ in files},

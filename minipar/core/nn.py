@@ -81,19 +81,23 @@ def causal_attention(q, k, v, n_head: int):
     return y.transpose(0, 2, 1, 3).reshape(B, T, C)
 
 
-def attention_core(q, k, v, n_head: int, recompute: bool = False):
-    """causal_attention; with `recompute` (`--recompute selective`) only q, k and v are kept for
-    backward, and the (B, n_head, T, T) scores and probabilities are recomputed there."""
+def attention_core(q, k, v, n_head: int, recompute: bool = False, attention=causal_attention):
+    """`attention` (causal_attention by default); with `recompute` (`--recompute selective`) only q, k
+    and v are kept for backward, and the (B, n_head, T, T) scores and probabilities are recomputed there."""
     if not recompute:
-        return causal_attention(q, k, v, n_head)
-    return checkpoint(lambda q, k, v: causal_attention(q, k, v, n_head), q, k, v)
+        return attention(q, k, v, n_head)
+    return checkpoint(lambda q, k, v: attention(q, k, v, n_head), q, k, v)
 
 
 class CausalSelfAttention(Module):
-    def __init__(self, cfg: GPTConfig, recompute_core: bool = False):
+    """`attention(q, k, v, n_head)` computes the heads' outputs: causal_attention, or one that splits
+    the sequence over ranks (parallel/context.py's ring attention); `recompute_core` keeps only q, k, v
+    for backward (`--recompute selective`)."""
+
+    def __init__(self, cfg: GPTConfig, recompute_core: bool = False, attention=causal_attention):
         super().__init__()
         d = cfg.d_model
-        self.n_head, self.recompute_core = cfg.n_head, recompute_core
+        self.n_head, self.recompute_core, self.attention = cfg.n_head, recompute_core, attention
         self.query = Linear(d, d, dtype=cfg.dtype)
         # No key bias: softmax is blind to a shift shared by all keys, so its gradient would be pure
         # roundoff, which Adam's normalisation turns into lr-sized noise that differs by layout.
@@ -102,7 +106,8 @@ class CausalSelfAttention(Module):
         self.proj = Linear(d, d, std=cfg.residual_std, dtype=cfg.dtype)
 
     def forward(self, x):
-        y = attention_core(self.query(x), self.key(x), self.value(x), self.n_head, self.recompute_core)
+        y = attention_core(self.query(x), self.key(x), self.value(x), self.n_head, self.recompute_core,
+                           self.attention)
         return self.proj(y)
 
 
@@ -171,13 +176,15 @@ class GPTHead(Module):
 class GPT(Module):
     """A GPT-2 style decoder (untied input and output embeddings, so pipeline stages stay separate).
 
-    `recompute`: "none", "selective" (the attention cores) or "full" (whole blocks): core/recompute.py."""
+    `recompute`: "none", "selective" (the attention cores) or "full" (whole blocks): core/recompute.py.
+    `attention`: how each block's attention combines q, k, v (see CausalSelfAttention)."""
 
-    def __init__(self, cfg: GPTConfig, seed: int | None = 0, recompute: str = "none"):
+    def __init__(self, cfg: GPTConfig, seed: int | None = 0, recompute: str = "none",
+                 attention=causal_attention):
         super().__init__()
         self.config = cfg
         self.embed = GPTEmbedding(cfg)
-        self.blocks = ModuleList([Block(cfg, CausalSelfAttention(cfg, recompute == "selective"),
+        self.blocks = ModuleList([Block(cfg, CausalSelfAttention(cfg, recompute == "selective", attention),
                                         recompute=recompute == "full") for _ in range(cfg.n_layer)])
         self.head = GPTHead(cfg)
         if seed is not None:

@@ -9,6 +9,7 @@ each call to a ``TrafficLedger`` by the bandwidth-optimal ring cost per rank (S 
     all_gather       (N-1)/N * S      (S = the full output)
     broadcast              S          (a pipelined broadcast: each rank forwards the payload once)
     send                   S          (charged to the sender; recv is free)
+    sendrecv               S          (one hop of a ring: the send half is charged, as send)
 
 What it saves: nothing by itself; it makes the cost of every technique visible and testable.
 What it costs: nothing extra on the wire. Lesson: lessons/02_collectives.md.
@@ -211,6 +212,16 @@ class Comm:
         self.ledger.charge(self.name, "send", buffer.nbytes)
         return request
 
+    def sendrecv(self, x, dest: int, source: int, tag: int = 0):
+        """Send x to rank dest and receive an array of x's shape and dtype from rank source, at once:
+        one step of a ring, where every rank sends and receives and none may block the others.
+        Charged like send (x's bytes, to the sender)."""
+        send = _send_buffer(x)
+        received = _receive_buffer(send.shape, send.dtype)
+        self.mpi.Sendrecv(send, dest=dest, sendtag=tag, recvbuf=received, source=source, recvtag=tag)
+        self.ledger.charge(self.name, "send", send.nbytes)
+        return _device(received)
+
     def recv(self, shape, dtype, source: int, tag: int = 0):
         """Blocking receive of an array of the given shape and dtype from rank source."""
         buffer = _receive_buffer(shape, dtype)
@@ -240,49 +251,61 @@ class Comm:
 
 
 class ProcessGrid:
-    """World ranks laid out on a (dp, pp, tp) grid, tp fastest-varying, then pp, then dp.
+    """World ranks laid out on a (dp, pp, cp, tp) grid, tp fastest-varying, then cp, then pp, then dp.
 
-    rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank, so tensor-parallel partners (the chattiest)
-    are neighbours. Sub-communicators dp, pp, tp join the ranks that differ in that coordinate only.
+    rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank, so tensor-parallel partners (the
+    chattiest) are neighbours, and the context-parallel ring (lessons/13_context_parallel.md) comes
+    next. Sub-communicators dp, pp, cp, tp join the ranks that differ in that coordinate only; dp_cp
+    joins those that differ in dp or cp: the ranks holding the same parameters with context
+    parallelism, over which gradients are summed (it is dp itself when cp = 1).
     """
 
-    def __init__(self, world: Comm, dp: int, pp: int, tp: int):
-        for dim, extent in (("dp", dp), ("pp", pp), ("tp", tp)):
+    def __init__(self, world: Comm, dp: int, pp: int, tp: int, cp: int = 1):
+        for dim, extent in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp)):
             if not isinstance(extent, int) or extent < 1:
                 raise ValueError(f"{dim} must be a positive integer, got {extent!r}")
-        if dp * pp * tp != world.size:
-            raise ValueError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} does not equal "
-                             f"the world size {world.size}")
+        if dp * pp * cp * tp != world.size:
+            named = f"dp*pp*tp = {dp}*{pp}*{tp}" if cp == 1 else f"dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp}"
+            raise ValueError(f"{named} = {dp * pp * cp * tp} does not equal the world size {world.size}")
         self.world = world
-        self.dp_size, self.pp_size, self.tp_size = dp, pp, tp
-        self.dp_rank, self.pp_rank, self.tp_rank = self.coords_of(world.rank)
-        self.dp = world.split(color=self.pp_rank * tp + self.tp_rank, key=self.dp_rank, name="dp")
-        self.pp = world.split(color=self.dp_rank * tp + self.tp_rank, key=self.pp_rank, name="pp")
-        self.tp = world.split(color=self.dp_rank * pp + self.pp_rank, key=self.tp_rank, name="tp")
+        self.dp_size, self.pp_size, self.cp_size, self.tp_size = dp, pp, cp, tp
+        self.dp_rank, self.pp_rank, self.tp_rank, self.cp_rank = self.coords_of(world.rank)
+        d, p, c, t = self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank
+        self.dp = world.split(color=(p * cp + c) * tp + t, key=d, name="dp")
+        self.pp = world.split(color=(d * cp + c) * tp + t, key=p, name="pp")
+        self.tp = world.split(color=(d * pp + p) * cp + c, key=t, name="tp")
+        self.cp = world.split(color=(d * pp + p) * tp + t, key=c, name="cp")
+        self.dp_cp = self.dp if cp == 1 else world.split(color=p * tp + t, key=d * cp + c, name="dp_cp")
 
-    def coords_of(self, rank: int) -> tuple[int, int, int]:
-        """(dp_rank, pp_rank, tp_rank) of a world rank."""
-        dp_rank, rest = divmod(rank, self.pp_size * self.tp_size)
-        pp_rank, tp_rank = divmod(rest, self.tp_size)
-        return dp_rank, pp_rank, tp_rank
+    def coords_of(self, rank: int) -> tuple[int, int, int, int]:
+        """(dp_rank, pp_rank, tp_rank, cp_rank) of a world rank: the 3D coordinates, then cp."""
+        dp_rank, rest = divmod(rank, self.pp_size * self.cp_size * self.tp_size)
+        pp_rank, rest = divmod(rest, self.cp_size * self.tp_size)
+        cp_rank, tp_rank = divmod(rest, self.tp_size)
+        return dp_rank, pp_rank, tp_rank, cp_rank
 
-    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
         """World rank at a grid coordinate."""
-        return (dp_rank * self.pp_size + pp_rank) * self.tp_size + tp_rank
+        return ((dp_rank * self.pp_size + pp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank
 
     def describe(self) -> str:
-        """The grid as text: for each dp replica, a pp-by-tp table of world ranks."""
+        """The grid as text: for each dp replica, a pp-by-tp table of world ranks (one per cp rank)."""
         width = max(len(str(self.world.size - 1)), len(f"tp={self.tp_size - 1}")) + 2
-        lines = [f"ProcessGrid dp={self.dp_size} pp={self.pp_size} tp={self.tp_size} "
-                 f"({self.world.size} ranks; tp varies fastest, then pp, then dp)",
-                 "world rank at each (dp, pp, tp):"]
+        cp = self.cp_size
+        indent = 16 if cp > 1 else 10
+        sizes = f"dp={self.dp_size} pp={self.pp_size}" + (f" cp={cp}" if cp > 1 else "") + f" tp={self.tp_size}"
+        order = "tp varies fastest, then cp, then pp, then dp" if cp > 1 else "tp varies fastest, then pp, then dp"
+        lines = [f"ProcessGrid {sizes} ({self.world.size} ranks; {order})",
+                 "world rank at each (dp, pp, cp, tp):" if cp > 1 else "world rank at each (dp, pp, tp):"]
         for dp_rank in range(self.dp_size):
             header = "".join(f"tp={t}".rjust(width) for t in range(self.tp_size))
-            lines.append(f"  dp={dp_rank}".ljust(10) + header)
+            lines.append(f"  dp={dp_rank}".ljust(indent) + header)
             for pp_rank in range(self.pp_size):
-                row = "".join(str(self.rank_of(dp_rank, pp_rank, t)).rjust(width)
-                              for t in range(self.tp_size))
-                lines.append(f"    pp={pp_rank}".ljust(10) + row)
+                for cp_rank in range(cp):
+                    label = f"    pp={pp_rank}" + (f" cp={cp_rank}" if cp > 1 else "")
+                    row = "".join(str(self.rank_of(dp_rank, pp_rank, t, cp_rank)).rjust(width)
+                                  for t in range(self.tp_size))
+                    lines.append(label.ljust(indent) + row)
         return "\n".join(lines)
 
 

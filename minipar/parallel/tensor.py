@@ -31,7 +31,7 @@ from __future__ import annotations
 from minipar.core import functional as F
 from minipar.core.autograd import Function
 from minipar.core.backend import xp_of
-from minipar.core.nn import Module, Parameter, attention_core
+from minipar.core.nn import Module, Parameter, attention_core, causal_attention
 from minipar.core.shards import Shard, padded_bounds
 
 # ---- the conjugate operators f and g ---------------------------------------------------------------
@@ -167,13 +167,14 @@ class ParallelAttention(Module):
     n_head / tp whole heads and computes their attention alone; proj by rows.
     One all-reduce forward (g, in proj), one backward (the f shared by query, key and value)."""
 
-    def __init__(self, cfg, comm, recompute_core: bool = False):
+    def __init__(self, cfg, comm, recompute_core: bool = False, attention=causal_attention):
         super().__init__()
         if cfg.n_head % comm.size:
             raise ValueError(f"ParallelAttention: {cfg.n_head} heads do not split over tp={comm.size}")
         d = cfg.d_model
         self.comm, self.local_heads = comm, cfg.n_head // comm.size
         self.recompute_core = recompute_core  # --recompute selective (core/recompute.py)
+        self.attention = attention  # over this rank's heads: causal_attention, or context.py's ring
         self.query = ColumnParallelLinear(d, d, comm, input_is_copied=True, dtype=cfg.dtype)
         self.key = ColumnParallelLinear(d, d, comm, bias=False, input_is_copied=True, dtype=cfg.dtype)
         self.value = ColumnParallelLinear(d, d, comm, input_is_copied=True, dtype=cfg.dtype)
@@ -182,7 +183,8 @@ class ParallelAttention(Module):
     def forward(self, x):
         # One f for all three: autograd adds their input gradients locally, then f all-reduces once.
         x = copy_to_tensor_parallel(x, self.comm)
-        y = attention_core(self.query(x), self.key(x), self.value(x), self.local_heads, self.recompute_core)
+        y = attention_core(self.query(x), self.key(x), self.value(x), self.local_heads, self.recompute_core,
+                           self.attention)
         return self.proj(y)
 
 

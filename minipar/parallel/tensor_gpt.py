@@ -12,7 +12,7 @@ replicas compose around it. Lesson: lessons/05_tensor_parallel.md.
 
 from __future__ import annotations
 
-from minipar.core.nn import GPT, Block, GPTConfig, GPTEmbedding, GPTHead, Module, ModuleList
+from minipar.core.nn import GPT, Block, GPTConfig, GPTEmbedding, GPTHead, Module, ModuleList, causal_attention
 from minipar.parallel.tensor import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -26,13 +26,15 @@ class TensorParallelGPT(GPT):
     """nn.GPT with every weight matrix split over `comm` (Megatron's layout); `units()` and `forward()`
     are GPT's own."""
 
-    def __init__(self, cfg: GPTConfig, comm, seed: int | None = 0, recompute: str = "none"):
+    def __init__(self, cfg: GPTConfig, comm, seed: int | None = 0, recompute: str = "none",
+                 attention=causal_attention):
         Module.__init__(self)  # GPT's three parts, built here from split layers instead of dense ones
         self.config, self.comm = cfg, comm
         wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, comm, dtype=cfg.dtype)
         self.embed = GPTEmbedding(cfg, wte=wte)
-        self.blocks = ModuleList([Block(cfg, attn=ParallelAttention(cfg, comm, recompute == "selective"),
-                                        mlp=ParallelMLP(cfg, comm), recompute=recompute == "full")
+        selective, full = recompute == "selective", recompute == "full"
+        self.blocks = ModuleList([Block(cfg, attn=ParallelAttention(cfg, comm, selective, attention),
+                                        mlp=ParallelMLP(cfg, comm), recompute=full)
                                   for _ in range(cfg.n_layer)])
         lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, comm, bias=False, dtype=cfg.dtype)
         self.head = GPTHead(cfg, lm_head=lm_head)

@@ -300,5 +300,5 @@ def size_errors(cfg, model, optimizer) -> list[str]:
 def build_chunked_zero3(cfg, grid, model, optimizer) -> ChunkedZero3:
     """trainer/build.py's branch: the engine for --offload / --chunk-mb / --device-mem-mb."""
     budget = None if cfg.device_mem_mb is None else cfg.device_mem_mb * MiB
-    return ChunkedZero3(model, optimizer, grid.dp, chunk_numel_for(cfg, model, grid.dp.size), budget,
+    return ChunkedZero3(model, optimizer, grid.dp_cp, chunk_numel_for(cfg, model, grid.dp_cp.size), budget,
                         cfg.offload, cfg.eviction)

@@ -5,9 +5,11 @@ The process grid (dist/comm.py's ProcessGrid) puts tp fastest-varying, so tensor
 neighbours ("TP inside a node"), then pp, then dp. Each part of the engine is chosen by the config in
 a function of its own, from the techniques in minipar/parallel:
 
-    build_model      the parameters this rank holds: tensor_gpt.py's layers, pipeline.py's stage
+    build_model      the parameters this rank holds: tensor_gpt.py's layers, pipeline.py's stage,
+                     with context.py's ring attention under --cp
     build_optimizer  SGD or AdamW (fused or not)
-    build_runner     pipeline.py's schedule over stages, or api.py's micro-batch loop
+    build_runner     pipeline.py's schedule over stages, or api.py's micro-batch loop (on this rank's
+                     positions of the sequence under --cp: context.py)
     build_updater    how gradients are combined across replicas: ddp.py, zero.py, zero3.py,
                      zero_chunked.py, or api.py's plain step
     build_engine     the three, wrapped by precision/mixed.py for bf16 and fp16
@@ -18,9 +20,9 @@ Lesson: lessons/07_3d.md.
 from __future__ import annotations
 
 from minipar.core import optim
-from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet
+from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet, causal_attention
 from minipar.fusion import training as fused_training
-from minipar.parallel import pipeline
+from minipar.parallel import context, pipeline
 from minipar.parallel.api import LocalUpdater, MicrobatchRunner
 from minipar.parallel.ddp import DistributedDataParallel
 from minipar.parallel.sequence import SequenceParallelGPT
@@ -44,12 +46,16 @@ def model_config(cfg):
 def build_model(cfg, grid):
     """The parameters this rank holds, initialised from (seed, name) whatever the layout."""
     mcfg = model_config(cfg)
+    # --cp: the sequence split over grid.cp, attention as a ring (parallel/context.py)
+    attention = context.RingAttentionOver(grid.cp) if cfg.cp > 1 else causal_attention
     if cfg.sp:  # the replicated regions of tensor parallelism cut along the sequence
         model = SequenceParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute)
     elif cfg.tp > 1:  # Megatron tensor parallelism, GPT only (trainer/validate.py)
-        model = TensorParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute)
-    else:  # --recompute: which activations backward recomputes instead of keeping (core/recompute.py)
-        model = (GPT if cfg.model == "gpt" else MLPNet)(mcfg, seed=None, recompute=cfg.recompute)
+        model = TensorParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute, attention=attention)
+    elif cfg.model == "gpt":  # --recompute: which activations backward recomputes (core/recompute.py)
+        model = GPT(mcfg, seed=None, recompute=cfg.recompute, attention=attention)
+    else:
+        model = MLPNet(mcfg, seed=None, recompute=cfg.recompute)
     if cfg.pp > 1:  # keep this stage's units only, under their global names
         model = pipeline.build_stage(model, grid.pp.size, grid.pp_rank)
     if cfg.fused:
@@ -71,15 +77,22 @@ def chunked(cfg) -> bool:
 
 
 def build_runner(cfg, grid, model):
-    """Forward and backward: through the pipeline's stages (--pp > 1), or micro-batch after micro-batch."""
+    """Forward and backward: through the pipeline's stages (--pp > 1), or micro-batch after micro-batch;
+    on this rank's positions of the sequence with --cp."""
     if cfg.pp > 1:
-        return pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model, cfg.dtype,
-                                       sequence_pieces=cfg.tp if cfg.sp else 1)
-    return MicrobatchRunner(model, cfg.microbatches)
+        runner = pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model,
+                                         cfg.dtype, sequence_pieces=cfg.tp if cfg.sp else 1)
+    else:
+        runner = MicrobatchRunner(model, cfg.microbatches)
+    if cfg.cp > 1:
+        positions = context.zigzag_positions(cfg.seq_len, grid.cp.size, grid.cp_rank)
+        runner = context.ContextParallelRunner(runner, model, positions)
+    return runner
 
 
 def build_updater(cfg, grid, model, scaler=None):
-    """The step across data-parallel replicas: chunked ZeRO-3, ZeRO 1-3, DDP, or a plain step (dp=1)."""
+    """The step across data-parallel replicas: chunked ZeRO-3, ZeRO 1-3, DDP, or a plain step (dp=1).
+    With --cp the replicas of the parameters are the dp x cp ranks (grid.dp_cp)."""
 
     def optimizer_of(params):  # fp16: inside a loss-scaling optimizer (`scaler`, or PyTorch's defaults)
         return mixed_precision.loss_scaling_optimizer(cfg, build_optimizer(cfg, params), grid.world, scaler)
@@ -88,11 +101,11 @@ def build_updater(cfg, grid, model, scaler=None):
         return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # parallel/zero_chunked.py
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
         stage = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}[cfg.zero]
-        return stage(model, optimizer_of([]), grid.dp)
-    if cfg.zero == 0 and grid.dp.size > 1:
+        return stage(model, optimizer_of([]), grid.dp_cp)
+    if cfg.zero == 0 and grid.dp_cp.size > 1:
         optimizer = optimizer_of(model.parameters())
-        return DistributedDataParallel(model, optimizer, grid.dp, cfg.bucket_mb,
-                                       mixed_precision.gradient_all_reduce(cfg.precision, grid.dp))
+        return DistributedDataParallel(model, optimizer, grid.dp_cp, cfg.bucket_mb,
+                                       mixed_precision.gradient_all_reduce(cfg.precision, grid.dp_cp))
     return LocalUpdater(model, optimizer_of(model.parameters()))
 
 

@@ -49,6 +49,8 @@ class TrainConfig:
     dp: int | None = option(None, "data-parallel size (default: world / (tp*pp))", single_process=1)
     tp: int = option(1, "tensor-parallel size", single_process=1)
     pp: int = option(1, "pipeline stages", single_process=1)
+    cp: int = option(1, "context-parallel size: the sequence split over cp ranks, attention as a ring "
+                     "(parallel/context.py); --dp then defaults to world / (tp*pp*cp)", single_process=1)
     zero: int = option(0, "ZeRO stage", STAGES, single_process=0)
     sp: bool = option(False, "sequence parallelism inside --tp (needs --tp > 1)", single_process=False)
     microbatches: int = option(1, "micro-batches per replica's batch (gradients accumulate over them)",
@@ -100,10 +102,10 @@ class TrainConfig:
                                if "single_process" in f.metadata})
 
     def resolved(self, world_size: int) -> TrainConfig:
-        """Fill in dp (world size / (tp * pp)) when it was left out."""
+        """Fill in dp (world size / (tp * pp * cp)) when it was left out."""
         if self.dp is not None:
             return self
-        return self.replace(dp=max(1, world_size // max(1, self.tp * self.pp)))
+        return self.replace(dp=max(1, world_size // max(1, self.tp * self.pp * self.cp)))
 
     @property
     def dtype(self) -> str:

@@ -49,7 +49,7 @@ class Engine:
         technique's own communication."""
         grid = self.grid
         if grid.pp_rank == grid.pp.size - 1:
-            local_loss = grid.dp.allreduce_obj(local_loss)
+            local_loss = grid.dp_cp.allreduce_obj(local_loss)  # with --cp each rank has its tokens' share
         return grid.pp.bcast_obj(local_loss, root=grid.pp.size - 1)
 
 

@@ -40,7 +40,7 @@ class Trainer:
         backend.set_backend(cfg.backend, local_rank=local_rank)
         self.cfg = cfg
         self.world = Comm(world)
-        self.grid = ProcessGrid(self.world, cfg.dp, cfg.pp, cfg.tp)
+        self.grid = ProcessGrid(self.world, cfg.dp, cfg.pp, cfg.tp, cfg.cp)
         self.memory = MemoryLedger()
         self.engine = build.build_engine(cfg, self.grid)
         if self.is_rank0 and not cfg.quiet and self.world.size > 1:

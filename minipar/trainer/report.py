@@ -16,12 +16,16 @@ MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations_peak", "buffers_p
 
 
 def rank_memory_table(rows: list[dict]) -> list[str]:
-    """rows: one per world rank, {"rank", "coords": (dp, pp, tp), "mem": {...}}."""
-    header = "  rank (dp,pp,tp) " + "".join(f"{c:>17}" for c in MEMORY_COLUMNS)
+    """rows: one per world rank, {"rank", "coords": (dp, pp, tp, cp), "mem": {...}}; the cp coordinate
+    is shown where a rank has one past 0 (context parallelism)."""
+    with_cp = any(len(row["coords"]) > 3 and row["coords"][3] for row in rows)
+    header = ("  rank (dp,pp,cp,tp) " if with_cp else "  rank (dp,pp,tp) ") + \
+        "".join(f"{c:>17}" for c in MEMORY_COLUMNS)
     lines = ["memory per rank after the last step (bytes)", header]
     for row in rows:
-        dp, pp, tp = row["coords"]
-        lines.append(f"  {row['rank']:4d} ({dp},{pp},{tp})   " +
+        dp, pp, tp, cp = (*row["coords"], 0)[:4]
+        coords = f"({dp},{pp},{cp},{tp})" if with_cp else f"({dp},{pp},{tp})"
+        lines.append(f"  {row['rank']:4d} {coords}   " +
                      "".join(f"{row['mem'].get(c, 0):>17,}" for c in MEMORY_COLUMNS))
     return lines
 
@@ -58,7 +62,8 @@ def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None)
     unit = "tokens/s" if cfg.model == "gpt" else "samples/s"
     lines = [
         "",
-        f"layout: dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} zero={zero_stage(cfg)} precision={cfg.precision} "
+        f"layout: dp={cfg.dp} pp={cfg.pp} {f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} "
+        f"zero={zero_stage(cfg)} precision={cfg.precision} "
         f"microbatches={cfg.microbatches} schedule={cfg.schedule if cfg.pp > 1 else '-'}",
         f"loss: first {records[0]['loss']:.4f}, last {last['loss']:.4f} over {len(records)} steps",
         f"speed: {rate:,.0f} {unit} (median over steps after the first)",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend, recompute
-from minipar.parallel import sequence, tensor, zero_chunked
+from minipar.parallel import context, sequence, tensor, zero_chunked
 from minipar.precision import mixed
 from minipar.trainer.build import build_model, build_optimizer, model_config
 from minipar.trainer.config import TrainConfig
@@ -35,7 +35,8 @@ def _flag(name: str) -> str:
 
 
 def _positive(cfg: TrainConfig) -> list[str]:
-    names = ["steps", "batch_size", "seq_len", "n_layer", "n_head", "d_model", "tp", "pp", "microbatches"]
+    names = ["steps", "batch_size", "seq_len", "n_layer", "n_head", "d_model", "tp", "pp", "cp",
+             "microbatches"]
     errors = [f"{_flag(n)} must be a positive integer, got {getattr(cfg, n)}"
               for n in names if getattr(cfg, n) < 1]
     if cfg.dp is not None and cfg.dp < 1:
@@ -66,8 +67,10 @@ def _choices(cfg: TrainConfig) -> list[str]:
 
 def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
     errors = []
-    if cfg.dp * cfg.tp * cfg.pp != world_size:
-        errors.append(f"dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp} = {cfg.dp * cfg.tp * cfg.pp} "
+    if cfg.dp * cfg.tp * cfg.pp * cfg.cp != world_size:
+        named = f"dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp}" if cfg.cp == 1 else \
+            f"dp*tp*pp*cp = {cfg.dp}*{cfg.tp}*{cfg.pp}*{cfg.cp}"
+        errors.append(f"{named} = {cfg.dp * cfg.tp * cfg.pp * cfg.cp} "
                       f"does not match the world size {world_size} (mpiexec -n)")
     if cfg.batch_size % cfg.dp:
         errors.append(f"--batch-size {cfg.batch_size} is not divisible by dp={cfg.dp}")
@@ -76,7 +79,8 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
                       f"--microbatches {cfg.microbatches}")
     if cfg.model == "gpt" and cfg.d_model % cfg.n_head:
         errors.append(f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}")
-    errors += tensor.config_errors(cfg) + recompute.config_errors(cfg) + sequence.config_errors(cfg)
+    errors += (tensor.config_errors(cfg) + recompute.config_errors(cfg) + sequence.config_errors(cfg)
+               + context.config_errors(cfg))
     if cfg.pp > cfg.n_units():
         blocks = f"{cfg.n_layer} layers"
         if cfg.model == "gpt":
@@ -99,9 +103,10 @@ def _chunked(cfg: TrainConfig) -> list[str]:
     errors = zero_chunked.config_errors(cfg)
     if errors:
         return errors
+    replicas = cfg.replace(dp=cfg.dp * cfg.cp, cp=1)  # with --cp it shards over dp x cp (grid.dp_cp)
     # the whole model one rank would gather, built as a plain single-process run builds it (no grid)
-    model = build_model(cfg.replace(zero=0, offload="none", chunk_mb=None, device_mem_mb=None), None)
-    return zero_chunked.size_errors(cfg, model, build_optimizer(cfg, []))
+    model = build_model(replicas.replace(zero=0, offload="none", chunk_mb=None, device_mem_mb=None), None)
+    return zero_chunked.size_errors(replicas, model, build_optimizer(cfg, []))
 
 
 def _paths(cfg: TrainConfig) -> list[str]:

@@ -27,6 +27,7 @@ FLAGS = {
     "--dp": (None, None, int),
     "--tp": (1, None, int),
     "--pp": (1, None, int),
+    "--cp": (1, None, int),
     "--zero": (0, (0, 1, 2, 3), int),
     "--sp": (False, None, SWITCH),
     "--microbatches": (1, None, int),
