@@ -82,6 +82,7 @@ class Block:
     def __init__(self, key, data, category: str, tier: str):
         self.key, self.data, self.category, self.tier = key, data, category, tier
         self.nbytes = data.nbytes
+        self.prefetched = False  # brought in ahead of its use, and not used since
 
 
 class TieredStore:
@@ -160,6 +161,7 @@ class TieredStore:
                 block = self.blocks[key]
                 self._record(key)
                 self.pinned[key] += 1  # before making room: the block in use is never the victim
+                block.prefetched = False
                 pinned.append(key)
                 self._moment(("use", key))
                 fetch = 0 if block.tier == "device" else block.nbytes
@@ -247,6 +249,7 @@ class TieredStore:
         if block.tier != "device" and self.free() - reserved >= block.nbytes:
             self._move(block, "device")
             self.counts["prefetches"] += 1
+            block.prefetched = True
 
     def _record(self, key):
         self.now, self.clock, self.tick, self.in_step = self.clock, self.clock + 1, self.tick + 1, True
@@ -264,6 +267,9 @@ class TieredStore:
         else:
             data = self.disk.arrays[block.key]
             data[...] = self.backend.to_host(block.data)
+        if block.prefetched and tier != "device":  # it moved twice for nothing
+            self.counts["wasted_prefetches"] += 1
+            block.prefetched = False
         if count:
             self.moved[f"{block.tier}->{tier}"] += block.nbytes
         block.data, block.tier = data, tier
@@ -285,8 +291,8 @@ class TieredStore:
     def traffic(self) -> dict:
         """Bytes moved between tiers, by direction, and the fetches, prefetches and evictions."""
         return {"moved_bytes": sum(self.moved.values()), "by_direction": dict(self.moved),
-                **{name: self.counts[name] for name in ("fetches", "prefetches", "evictions", "late_evictions",
-                                                   "off_trace")}}
+                **{name: self.counts[name] for name in ("fetches", "prefetches", "wasted_prefetches", "evictions",
+                                                   "late_evictions", "off_trace")}}
 
     def close(self):
         if self.disk:
