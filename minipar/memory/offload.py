@@ -43,6 +43,9 @@ from minipar.memory.tracer import MemoryTracer
 POLICIES = ("lru", "opt")  # `minipar train --eviction`
 OFFLOADS = ("none", *TIERS[1:])  # `minipar train --offload`: keep every block on the device, or a lower tier
 MiB = 2**20
+# what traffic() counts besides bytes: wasted prefetches were evicted before their use (moved twice for
+# nothing), late evictions made room in the middle of a computation (the others outgrew a forecast)
+COUNTS = ("fetches", "prefetches", "wasted_prefetches", "evictions", "late_evictions", "off_trace")
 
 
 class DiskTier:
@@ -121,7 +124,7 @@ class TieredStore:
         return self.budget - self.resident() - self.others()
 
     def immovable(self) -> int:
-        """Bytes of blocks on the device that cannot leave it now: those in use (all, without a lower tier)."""
+        """Bytes of blocks on the device that cannot leave it now: in use (all, without a lower tier)."""
         return sum(b.nbytes for b in self.blocks.values()
                    if b.tier == "device" and (self.lower is None or self.pinned[b.key]))
 
@@ -291,8 +294,7 @@ class TieredStore:
     def traffic(self) -> dict:
         """Bytes moved between tiers, by direction, and the fetches, prefetches and evictions."""
         return {"moved_bytes": sum(self.moved.values()), "by_direction": dict(self.moved),
-                **{name: self.counts[name] for name in ("fetches", "prefetches", "wasted_prefetches", "evictions",
-                                                   "late_evictions", "off_trace")}}
+                **{name: self.counts[name] for name in COUNTS}}
 
     def close(self):
         if self.disk:

@@ -73,7 +73,9 @@ class ChunkedZero3(Updater):
         lower = None if offload == "none" else offload
         self.auto, self.least_bytes = budget_bytes == AUTO, least_bytes
         self.tracer = MemoryTracer() if traced and budget_bytes is not None else None
-        self.store = TieredStore(blocks, 0 if self.auto else budget_bytes, lower, eviction,
+        budget = 0 if budget_bytes == AUTO else budget_bytes  # auto's warm-up: no room to spare
+        assert not isinstance(budget, str), f"a budget in bytes, None or {AUTO!r}, not {budget!r}"
+        self.store = TieredStore(blocks, budget, lower, eviction,
                                  others=lambda: autograd.activation_meter.current + buffer_meter.current,
                                  report=tier_meter.set, tracer=self.tracer)
         for chunk in self.chunks:

@@ -65,11 +65,11 @@ class TrainConfig:
     device_mem_mb: float | str | None = option(None, "device budget in MiB for chunked ZeRO-3 (with "
                                                "--offload), or auto: the least the warm-up step needs",
                                                single_process=None, parse=budget_mb)
-    static_placement: bool = option(False, "chunked ZeRO-3: place blocks by the budget alone, without "
-                                    "the warm-up step's memory trace", single_process=False)
     chunk_mb: float | None = option(None, "chunk size in MiB for chunked ZeRO-3 (default: least padding)",
                                     single_process=None)
     eviction: str = option("opt", "offload's eviction policy", POLICIES)
+    static_placement: bool = option(False, "chunked ZeRO-3: place blocks by the budget alone, without "
+                                    "the warm-up step's memory trace", single_process=False)
     steps: int = option(60, "total steps (a resumed run continues to it)")
     batch_size: int = option(16, "global batch (sequences)")
     seq_len: int = option(32, "tokens per sequence (the GPT's context)")
