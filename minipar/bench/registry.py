@@ -3,7 +3,7 @@
 Each benchmark is a file of this package with a `main(argv) -> int`; its docstring says what it
 measures, which lesson quotes it and its options. Times are taken as minipar/bench/timing.py says.
 
-    python -m minipar bench {autograd,dp,pp,tp,fusion,precision,layouts,memory,gpu,all} [options]
+    python -m minipar bench {autograd,dp,pp,tp,fusion,precision,layouts,memory,tracer,gpu,all} [options]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ("autograd", "dp", "pp", "tp", "fusion", "precision", "layouts", "memory", "gpu")
+BENCHES = ("autograd", "dp", "pp", "tp", "fusion", "precision", "layouts", "memory", "tracer", "gpu")
 QUICK = ("autograd", "dp", "pp", "tp", "fusion", "precision")  # what `bench all` runs (gpu needs a GPU)
 
 
