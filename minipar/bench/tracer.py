@@ -78,10 +78,11 @@ def measure_placement_of(model: str, base: TrainConfig, steps: int) -> list[dict
         budget_mb = round_up_mb(int(least + fraction * (everything - least)))
         for eviction in ("lru", "opt"):
             for static in (True, False):  # alternating, one of each per budget and policy
-                cfg = base.replace(steps=steps, device_mem_mb=budget_mb, eviction=eviction, static_placement=static)
+                cfg = base.replace(steps=steps, device_mem_mb=budget_mb, eviction=eviction,
+                                   static_placement=static)
                 after = train(cfg)[1][1:]
-                rows.append({"model": model, "budget_mb": budget_mb, "fraction": fraction, "eviction": eviction,
-                             "placement": "static" if static else "Gemini (traced)",
+                rows.append({"model": model, "budget_mb": budget_mb, "fraction": fraction,
+                             "eviction": eviction, "placement": "static" if static else "Gemini (traced)",
                              "moved_bytes": int(np.median([r["offload"]["moved_bytes"] for r in after])),
                              **{k: int(np.median([r["offload"][k] for r in after]))
                                 for k in ("wasted_prefetches", "late_evictions", "evictions")},
@@ -97,8 +98,8 @@ def measure_trace(fraction: float = 0.25) -> dict:
     budget_mb = round_up_mb(int(least + fraction * states))
     trainer, _ = train(BASE.replace(steps=1, device_mem_mb=budget_mb))
     tracer = trainer.engine.updater.tracer
-    return {"budget_bytes": budget_mb * MiB, "least_bytes": least, "labels": [repr(x) for x in tracer.labels],
-            "samples": tracer.samples, **tracer.summary()}
+    return {"budget_bytes": budget_mb * MiB, "least_bytes": least, "samples": tracer.samples,
+            "labels": [repr(label) for label in tracer.labels], **tracer.summary()}
 
 
 LEAST_COLUMNS = [
@@ -131,8 +132,8 @@ def render(figures: dict) -> str:
         + ["", "placement (gpt: batch 8, sequence 16; mlp: 6 layers of width 32, batch 4, fp64): medians of "
            "the steps after the warm-up"]
         + right_aligned(figures["placement"], PLACEMENT_COLUMNS)
-        + ["", f"trace: {trace['moments']} moments, least {trace['least_bytes'] / MiB:.4f} MiB, non-model peak "
-           f"{trace['non_model_peak'] / MiB:.4f} MiB, budget {trace['budget_bytes'] / MiB:.4f} MiB"])
+        + ["", f"trace: {trace['moments']} moments, least {trace['least_bytes'] / MiB:.4f} MiB, non-model "
+           f"peak {trace['non_model_peak'] / MiB:.4f} MiB, budget {trace['budget_bytes'] / MiB:.4f} MiB"])
 
 
 def moment_axis(samples: list[dict]) -> np.ndarray:
