@@ -48,6 +48,20 @@ class BudgetTooSmall(ValueError):
     """The warm-up step needed more device memory than the budget: a user's mistake (exit code 2)."""
 
 
+def settled_budget(least: int, budget: float, auto: bool) -> float:
+    """The budget in bytes after the warm-up, given the `least` it needed on any rank: auto's (the least,
+    rounded up to a figure one can type), or `budget` if it is enough; else BudgetTooSmall."""
+    least_mb = round_up_mb(least)
+    if auto:
+        return least_mb * MiB
+    if budget < least:
+        raise BudgetTooSmall(
+            f"--device-mem-mb {budget / MiB:g} is too small: the warm-up step needed {least_mb:.4f} MiB on "
+            f"the device (blocks in use, gathered chunks and activations at their peak); give at least "
+            f"--device-mem-mb {least_mb:.4f}, or --device-mem-mb auto")
+    return budget
+
+
 def non_model_sources() -> dict[str, Callable[[], int]]:
     """The live non-model bytes of this process: autograd's activation meter and the buffer meter."""
     return {"activations": lambda: autograd.activation_meter.current, "buffers": lambda: buffer_meter.current}

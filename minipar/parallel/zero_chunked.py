@@ -35,7 +35,7 @@ from minipar.core.shards import shard_of
 from minipar.memory.chunks import TensorState, pack_in_chunks, search_chunk_size
 from minipar.memory.ledger import buffer_meter, tier_meter
 from minipar.memory.offload import MiB, TieredStore
-from minipar.memory.tracer import AUTO, BudgetTooSmall, MemoryTracer, round_up_mb
+from minipar.memory.tracer import AUTO, MemoryTracer, settled_budget
 from minipar.parallel.api import Updater
 from minipar.parallel.flat_units import check_replicas_identical, units_of
 from minipar.parallel.logical_state import flat_pieces
@@ -207,17 +207,7 @@ class ChunkedZero3(Updater):
         same verdict and none is left waiting); `auto` takes it, a smaller budget is refused."""
         assert self.tracer is not None
         least = self.comm.allreduce_obj(max(self.tracer.minimum, self.least_bytes), op="max")
-        least_mb = round_up_mb(least)
-        if self.auto:
-            self.store.budget = least_mb * MiB
-        elif self.store.budget < least:
-            raise BudgetTooSmall(
-                f"--device-mem-mb {self.store.budget / MiB:g} is too small: the warm-up step needed "
-                f"{least_mb:.4f} MiB on the device (blocks in use, gathered chunks and activations at "
-                f"their peak); give at least --device-mem-mb {least_mb:.4f}, or --device-mem-mb auto")
-
-    def budget_bytes(self) -> float:
-        return self.store.budget
+        self.store.budget = settled_budget(least, self.store.budget, self.auto)
 
     def memory(self) -> dict:
         """{category: {tier: bytes}} of the blocks after the step (gathered chunks are buffers, live)."""
