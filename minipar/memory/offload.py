@@ -216,7 +216,7 @@ class TieredStore:
         if self.in_step and self.free() < 0:
             evictions = self.counts["evictions"]
             self.make_room(0)
-            self.counts["late_evictions"] += self.counts["evictions"] - evictions  # the trace missed them
+            self.counts["late_evictions"] += self.counts["evictions"] - evictions  # unforeseen: no trace, or off it
 
     def evict_ahead(self, fetch: int):
         """Leave room for `fetch` bytes and for what the trace says the others will still grow before

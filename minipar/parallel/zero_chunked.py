@@ -324,7 +324,7 @@ def size_errors(cfg, model, optimizer) -> list[str]:
     if cfg.device_mem_mb not in (None, AUTO) and cfg.device_mem_mb * MiB < needed:
         return [f"--device-mem-mb {cfg.device_mem_mb} is too small: chunked ZeRO-3 with --offload "
                 f"{cfg.offload} needs {needed / MiB:.4f} MiB on the device before activations "
-                f"(chunks of {chunk_numel} elements)"]
+                f"(chunks of {chunk_numel} elements); --device-mem-mb auto measures the least that works"]
     return []
 
 
