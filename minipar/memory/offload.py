@@ -215,8 +215,8 @@ class TieredStore:
         self._observe()
         if self.in_step and self.free() < 0:
             evictions = self.counts["evictions"]
-            self.make_room(0)
-            self.counts["late_evictions"] += self.counts["evictions"] - evictions  # unforeseen: no trace, or off it
+            self.make_room(0)  # in the middle of a computation: unforeseen (no trace, or off it)
+            self.counts["late_evictions"] += self.counts["evictions"] - evictions
 
     def evict_ahead(self, fetch: int):
         """Leave room for `fetch` bytes and for what the trace says the others will still grow before
