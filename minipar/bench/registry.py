@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ("autograd", "dp", "pp", "tp", "fusion", "precision", "layouts", "memory", "gpu", "recompute",
-           "context")
+BENCHES = ("autograd", "dp", "pp", "tp", "fusion", "precision", "layouts", "memory", "tracer", "gpu",
+           "recompute", "context")
 QUICK = ("autograd", "dp", "pp", "tp", "fusion", "precision")  # what `bench all` runs (gpu needs a GPU)
 
 

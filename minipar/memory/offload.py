@@ -14,6 +14,10 @@ After each use, the next block of the trace is prefetched if it fits in the free
 copy it while computing). The budget covers everything on the device: the resident blocks plus the
 `others()` bytes the caller reports (activations, gathered chunks, gradient buffers); `relieve()`
 evicts blocks when those grow, and a budget that cannot be kept is a MemoryError, never exceeded.
+With a `MemoryTracer` (memory/tracer.py, Gemini's placement) the first step measures instead: it marks
+a moment at every use, records the non-model memory and the least budget the step needs, and may
+overdraw (the caller refuses such a budget after it); later steps evict ahead of the non-model memory
+the trace says is coming, and prefetch a block only if it fits beside it until its use.
 
 What it saves: device memory; the model may be many times the budget. What it costs: traffic between
 tiers (counted by direction, per step), in the time of PCIe or of a disk.
@@ -34,10 +38,14 @@ import numpy as np
 
 from minipar.core import backend
 from minipar.memory.ledger import TIERS  # device, cpu, disk: the ledger's tiers, fastest first
+from minipar.memory.tracer import MemoryTracer
 
 POLICIES = ("lru", "opt")  # `minipar train --eviction`
 OFFLOADS = ("none", *TIERS[1:])  # `minipar train --offload`: keep every block on the device, or a lower tier
 MiB = 2**20
+# what traffic() counts besides bytes: wasted prefetches were evicted before their use (moved twice for
+# nothing), late evictions made room in the middle of a computation (the others outgrew a forecast)
+COUNTS = ("fetches", "prefetches", "wasted_prefetches", "evictions", "late_evictions", "off_trace")
 
 
 class DiskTier:
@@ -77,20 +85,22 @@ class Block:
     def __init__(self, key, data, category: str, tier: str):
         self.key, self.data, self.category, self.tier = key, data, category, tier
         self.nbytes = data.nbytes
+        self.prefetched = False  # brought in ahead of its use, and not used since
 
 
 class TieredStore:
     """Blocks in device, cpu and disk tiers under a device byte budget, moved on use, with eviction."""
 
     def __init__(self, blocks: dict, budget_bytes: float | None, lower_tier: str | None, policy: str = "opt",
-                 others=lambda: 0, report=None, prefetch: bool = True):
-        """blocks: {key: (array, category)}, all on the device to start with."""
+                 others=lambda: 0, report=None, prefetch: bool = True, tracer: MemoryTracer | None = None):
+        """blocks: {key: (array, category)}, all on the device to start with. `tracer`: place by the
+        first step's memory trace (None: by the budget alone, the static placement)."""
         if lower_tier not in (None, "cpu", "disk") or policy not in POLICIES:
             raise ValueError(f"lower tier {lower_tier!r}, policy {policy!r}: choose cpu or disk, lru or opt")
         self.backend = backend.current()
         self.budget = math.inf if budget_bytes is None else budget_bytes
         self.lower, self.policy, self.others, self.report = lower_tier, policy, others, report
-        self.prefetching = prefetch
+        self.prefetching, self.tracer = prefetch, tracer
         shapes = {key: (array.shape, array.dtype) for key, (array, _) in blocks.items()}
         self.disk = DiskTier(shapes) if lower_tier == "disk" else None
         self.blocks = {key: Block(key, a, category, "device") for key, (a, category) in blocks.items()}
@@ -112,6 +122,24 @@ class TieredStore:
 
     def free(self) -> float:
         return self.budget - self.resident() - self.others()
+
+    def immovable(self) -> int:
+        """Bytes of blocks on the device that cannot leave it now: in use (all, without a lower tier)."""
+        return sum(b.nbytes for b in self.blocks.values()
+                   if b.tier == "device" and (self.lower is None or self.pinned[b.key]))
+
+    def _observe(self, extra: int = 0):
+        if self.tracer is not None:
+            self.tracer.observe(self.immovable(), self.resident(), extra)
+
+    def _moment(self, label):
+        if self.tracer is not None:
+            self.tracer.moment(label)
+            self._observe()
+
+    def warming_up(self) -> bool:
+        """The tracer's first step: it measures what the step needs, and the budget may be overdrawn."""
+        return self.tracer is not None and self.tracer.recording
 
     def placement(self) -> dict:
         """{category: {tier: bytes}} of every block."""
@@ -135,16 +163,22 @@ class TieredStore:
             for key in keys:
                 block = self.blocks[key]
                 self._record(key)
-                if block.tier != "device":
+                self.pinned[key] += 1  # before making room: the block in use is never the victim
+                block.prefetched = False
+                pinned.append(key)
+                self._moment(("use", key))
+                fetch = 0 if block.tier == "device" else block.nbytes
+                self.evict_ahead(fetch)
+                if fetch:
                     self.make_room(block.nbytes)
                     self._move(block, "device")
                     self.counts["fetches"] += 1
-                self.pinned[key] += 1
-                pinned.append(key)
             yield [self.blocks[key].data for key in keys]
         finally:
             for key in pinned:
                 self.pinned[key] -= 1
+        self._moment(("done", keys))
+        self.evict_ahead(0)
         self.prefetch()
 
     def read(self, key) -> np.ndarray:
@@ -158,9 +192,13 @@ class TieredStore:
         block.data[...] = self.backend.from_host(values) if block.tier == "device" else values
 
     def make_room(self, nbytes: float):
-        """Evict unpinned blocks until `nbytes` more fit in the budget, or raise MemoryError."""
+        """Evict unpinned blocks until `nbytes` more fit in the budget, or raise MemoryError (in the
+        tracer's warm-up: overdraw, the tracer has recorded the need)."""
+        self._observe(int(nbytes))
         while self.free() < nbytes:
-            candidates = [b for b in self.blocks.values() if b.tier == "device" and not self.pinned[b.key]]
+            candidates = self.evictable()
+            if (not candidates or self.lower is None) and self.warming_up():
+                return
             if not candidates or self.lower is None:
                 needed = (nbytes - self.free()) / MiB
                 raise MemoryError(f"the device budget of {self.budget / MiB:.3f} MiB is {needed:.3f} MiB "
@@ -169,10 +207,27 @@ class TieredStore:
             self._move(self.victim(candidates), self.lower)
             self.counts["evictions"] += 1
 
+    def evictable(self) -> list[Block]:
+        return [b for b in self.blocks.values() if b.tier == "device" and not self.pinned[b.key]]
+
     def relieve(self):
         """The others grew during a step: evict blocks until the device is back within its budget."""
+        self._observe()
         if self.in_step and self.free() < 0:
-            self.make_room(0)
+            evictions = self.counts["evictions"]
+            self.make_room(0)  # in the middle of a computation: unforeseen (no trace, or off it)
+            self.counts["late_evictions"] += self.counts["evictions"] - evictions
+
+    def evict_ahead(self, fetch: int):
+        """Leave room for `fetch` bytes and for what the trace says the others will still grow before
+        the next moment, evicting by the policy now rather than in the middle of the computation.
+        Best effort: what cannot be evicted now is left to make_room and relieve."""
+        if self.lower is None or self.tracer is None:
+            return
+        room = fetch + self.tracer.growth_ahead()
+        while self.free() < room and (candidates := self.evictable()):
+            self._move(self.victim(candidates), self.lower)
+            self.counts["evictions"] += 1
 
     def victim(self, candidates: list[Block]) -> Block:
         if self.policy == "opt" and self.positions:  # Belady: furthest next use; ties, least recent
@@ -193,9 +248,11 @@ class TieredStore:
         if not (self.prefetching and self.positions):
             return
         block = self.blocks[self.trace[self.clock % len(self.trace)]]
-        if block.tier != "device" and self.free() >= block.nbytes:
+        reserved = self.tracer.growth_ahead() if self.tracer is not None else 0  # the others' growth to come
+        if block.tier != "device" and self.free() - reserved >= block.nbytes:
             self._move(block, "device")
             self.counts["prefetches"] += 1
+            block.prefetched = True
 
     def _record(self, key):
         self.now, self.clock, self.tick, self.in_step = self.clock, self.clock + 1, self.tick + 1, True
@@ -213,6 +270,9 @@ class TieredStore:
         else:
             data = self.disk.arrays[block.key]
             data[...] = self.backend.to_host(block.data)
+        if block.prefetched and tier != "device":  # it moved twice for nothing
+            self.counts["wasted_prefetches"] += 1
+            block.prefetched = False
         if count:
             self.moved[f"{block.tier}->{tier}"] += block.nbytes
         block.data, block.tier = data, tier
@@ -226,13 +286,15 @@ class TieredStore:
             for position, key in enumerate(self.trace):
                 self.positions.setdefault(key, []).append(position)
         self.clock, self.in_step = 0, False
+        if self.tracer is not None:
+            self.tracer.end_step()
         self.last_step = self.traffic()
         self.moved, self.counts = Counter(), Counter()
 
     def traffic(self) -> dict:
         """Bytes moved between tiers, by direction, and the fetches, prefetches and evictions."""
         return {"moved_bytes": sum(self.moved.values()), "by_direction": dict(self.moved),
-                **{name: self.counts[name] for name in ("fetches", "prefetches", "evictions", "off_trace")}}
+                **{name: self.counts[name] for name in COUNTS}}
 
     def close(self):
         if self.disk:

@@ -11,6 +11,12 @@ optimizer state, are blocks of a TieredStore (memory/offload.py): on the device 
 `--device-mem-mb` allows, else in CPU memory or on disk (`--offload`), each fetched when used: a
 gather fetches the parameters, a reduce-scatter the gradients, the optimizer step all of them.
 
+Placement follows Gemini: the first step is a warm-up that traces the non-model memory (activations,
+gathered chunks: memory/tracer.py) and the least budget the step needs, combined over the ranks; a
+budget below it is refused after the warm-up (BudgetTooSmall, one line, exit code 2), `--device-mem-mb
+auto` takes it, and later steps evict and prefetch by the trace (`--static-placement`: by the budget
+alone, as before; a budget too small for the activations then fails mid-run).
+
 What it saves: device memory: only the gathered chunks of one unit, a chunk's blocks and the
 activations must fit. Gathered buffers all have the one chunk size, and messages are sized by
 `--chunk-mb`, not by the model's modules. What it costs: zero3's 3(N-1)/N of the model's bytes per
@@ -29,6 +35,7 @@ from minipar.core.shards import shard_of
 from minipar.memory.chunks import TensorState, pack_in_chunks, search_chunk_size
 from minipar.memory.ledger import buffer_meter, tier_meter
 from minipar.memory.offload import MiB, TieredStore
+from minipar.memory.tracer import AUTO, MemoryTracer, settled_budget
 from minipar.parallel.api import Updater
 from minipar.parallel.flat_units import check_replicas_identical, units_of
 from minipar.parallel.logical_state import flat_pieces
@@ -39,8 +46,11 @@ S = TensorState
 class ChunkedZero3(Updater):
     """Updater and model wrapper: ZeRO-3 whose unit of communication and of offload is the chunk."""
 
-    def __init__(self, model, optimizer, comm, chunk_numel: int, budget_bytes: float | None = None,
-                 offload: str = "none", eviction: str = "opt"):
+    def __init__(self, model, optimizer, comm, chunk_numel: int, budget_bytes: float | str | None = None,
+                 offload: str = "none", eviction: str = "opt", traced: bool = True, least_bytes: int = 0):
+        """budget_bytes: a number, None (no budget) or AUTO (the least the warm-up needs); traced: place
+        by the warm-up's memory trace (Gemini), else by the budget alone; least_bytes: a floor for the
+        least budget (the up-front estimate of size_errors, so that the figure it names passes it)."""
         check_replicas_identical(model, comm)
         self.model, self.optimizer, self.comm = model, optimizer, comm
         self.units = units_of(model, comm)
@@ -61,9 +71,13 @@ class ChunkedZero3(Updater):
             for name in self.state_names:
                 blocks[chunk.index, name] = (state[name], "optimizer")
         lower = None if offload == "none" else offload
-        self.store = TieredStore(blocks, budget_bytes, lower, eviction,
+        self.auto, self.least_bytes = budget_bytes == AUTO, least_bytes
+        self.tracer = MemoryTracer() if traced and budget_bytes is not None else None
+        budget = 0 if budget_bytes == AUTO else budget_bytes  # auto's warm-up: no room to spare
+        assert not isinstance(budget, str), f"a budget in bytes, None or {AUTO!r}, not {budget!r}"
+        self.store = TieredStore(blocks, budget, lower, eviction,
                                  others=lambda: autograd.activation_meter.current + buffer_meter.current,
-                                 report=tier_meter.set)
+                                 report=tier_meter.set, tracer=self.tracer)
         for chunk in self.chunks:
             for tensor in chunk.tensors:
                 tensor.param.data = self.freed
@@ -71,7 +85,9 @@ class ChunkedZero3(Updater):
         self.hooks: list[RemovableHandle] = []
         for i, unit in enumerate(self.units):
             self.hook_unit(i, unit)
-        self.relief = relieve_when_activations_grow(self.store)  # its handle: `.remove()` stops it
+        # their handles: `.remove()` stops them
+        self.relief, self.buffer_relief = (relieve_when_others_grow(self.store, meter)
+                                           for meter in (autograd.activation_meter, buffer_meter))
 
     # ---- the chunks of a unit ----
     def chunks_of(self, unit: int) -> list:
@@ -181,15 +197,28 @@ class ChunkedZero3(Updater):
                     self.optimizer.update(param, grad, state)
                 self.scalars[i] = {k: v for k, v in state.items() if k not in self.state_names}
                 grad[...] = 0
+        warm_up = self.store.warming_up()
         self.store.end_step()
+        if warm_up:
+            self.settle_budget()
+
+    def settle_budget(self):
+        """After the warm-up: the least budget any rank needed (a collective, so every rank reaches the
+        same verdict and none is left waiting); `auto` takes it, a smaller budget is refused."""
+        assert self.tracer is not None
+        least = self.comm.allreduce_obj(max(self.tracer.minimum, self.least_bytes), op="max")
+        self.store.budget = settled_budget(least, self.store.budget, self.auto)
 
     def memory(self) -> dict:
         """{category: {tier: bytes}} of the blocks after the step (gathered chunks are buffers, live)."""
         return self.store.placement()
 
     def tier_traffic(self) -> dict | None:
-        """The last step's bytes moved between tiers (the train log's "offload")."""
-        return self.store.last_step
+        """The last step's bytes moved between tiers (the train log's "offload"), and the budget."""
+        if self.store.last_step is None:
+            return None
+        return {**self.store.last_step, "budget_bytes": self.store.budget,
+                "placement": "static" if self.tracer is None else "traced"}
 
     def checkpoint_pieces(self) -> dict:
         """{name: {kind: (Piece, array)}}: this rank's shard of each chunk's parameters and their states."""
@@ -220,10 +249,11 @@ class ChunkedZero3(Updater):
         return state
 
 
-def relieve_when_activations_grow(store) -> RemovableHandle:
-    """Activations share the device budget: as they grow during a step, the store evicts blocks first
-    (ahead of every other listener of the meter, so the memory ledger never sees the budget exceeded).
-    The listener holds the store weakly, and leaves the meter once the store (the engine) is gone."""
+def relieve_when_others_grow(store, meter) -> RemovableHandle:
+    """Activations and temporary buffers share the device budget: as one of their meters grows during
+    a step, the store evicts blocks first (ahead of every other listener of the meter, so the memory
+    ledger never sees the budget exceeded), and its tracer observes the change. The listener holds
+    the store weakly, and leaves the meter once the store (the engine) is gone."""
     store_ref = weakref.ref(store)
 
     def relieve(nbytes):
@@ -231,7 +261,7 @@ def relieve_when_activations_grow(store) -> RemovableHandle:
         if alive is not None:
             alive.relieve()
 
-    handle = autograd.activation_meter.subscribe(relieve, first=True)
+    handle = meter.subscribe(relieve, first=True)
     weakref.finalize(store, handle.remove)
     return handle
 
@@ -273,7 +303,10 @@ def config_errors(cfg) -> list[str]:
               ] if cfg.offload != "none" and cfg.device_mem_mb is None else []
     errors += [f"--{name.replace('_', '-')} must be positive, got {value}"
                for name, value in (("chunk_mb", cfg.chunk_mb), ("device_mem_mb", cfg.device_mem_mb))
-               if value is not None and value <= 0]
+               if value is not None and value != AUTO and not (isinstance(value, float | int) and value > 0)]
+    if cfg.device_mem_mb == AUTO and cfg.static_placement:
+        errors.append("--device-mem-mb auto takes the least budget the warm-up step's trace needs: "
+                      "it cannot go with --static-placement")
     if cfg.zero not in (0, 3) or cfg.tp > 1 or cfg.pp > 1 or cfg.precision not in ("fp64", "fp32"):
         errors.append("--offload, --chunk-mb and --device-mem-mb run chunked ZeRO-3 over data parallelism: "
                       "they need --zero 3 (or 0), --tp 1, --pp 1 and --precision fp64 or fp32")
@@ -287,18 +320,24 @@ def size_errors(cfg, model, optimizer) -> list[str]:
     if chunk_numel < largest:
         return [f"--chunk-mb {cfg.chunk_mb} holds {chunk_numel} elements, fewer than the largest parameter's "
                 f"{largest}: a tensor never straddles two chunks"]
-    state = optimizer.init_state(1, "float64", current_backend().xp)
-    rows = 2 + sum(hasattr(v, "shape") for v in state.values())
-    needed = device_bytes_needed(model, chunk_numel, cfg.dp, rows, cfg.offload)
-    if cfg.device_mem_mb is not None and cfg.device_mem_mb * MiB < needed:
+    needed = device_bytes_needed(model, chunk_numel, cfg.dp, state_rows(optimizer), cfg.offload)
+    if cfg.device_mem_mb not in (None, AUTO) and cfg.device_mem_mb * MiB < needed:
         return [f"--device-mem-mb {cfg.device_mem_mb} is too small: chunked ZeRO-3 with --offload "
                 f"{cfg.offload} needs {needed / MiB:.4f} MiB on the device before activations "
-                f"(chunks of {chunk_numel} elements)"]
+                f"(chunks of {chunk_numel} elements); --device-mem-mb auto measures the least that works"]
     return []
+
+
+def state_rows(optimizer) -> int:
+    """Blocks per chunk: its parameters, its gradients and each array state of the optimizer."""
+    state = optimizer.init_state(1, "float64", current_backend().xp)
+    return 2 + sum(hasattr(v, "shape") for v in state.values())
 
 
 def build_chunked_zero3(cfg, grid, model, optimizer) -> ChunkedZero3:
     """trainer/build.py's branch: the engine for --offload / --chunk-mb / --device-mem-mb."""
-    budget = None if cfg.device_mem_mb is None else cfg.device_mem_mb * MiB
-    return ChunkedZero3(model, optimizer, grid.dp_cp, chunk_numel_for(cfg, model, grid.dp_cp.size), budget,
-                        cfg.offload, cfg.eviction)
+    budget = cfg.device_mem_mb if cfg.device_mem_mb in (None, AUTO) else cfg.device_mem_mb * MiB
+    chunk_numel = chunk_numel_for(cfg, model, grid.dp_cp.size)
+    least = device_bytes_needed(model, chunk_numel, grid.dp_cp.size, state_rows(optimizer), cfg.offload)
+    return ChunkedZero3(model, optimizer, grid.dp_cp, chunk_numel, budget, cfg.offload, cfg.eviction,
+                        traced=not cfg.static_placement, least_bytes=least)

@@ -49,7 +49,7 @@ def _argument(field: dataclasses.Field, annotation) -> dict:
         return {"action": "store_true", "help": help}
     if isinstance(annotation, types.UnionType):  # int | None: the option may be left out
         annotation = next(t for t in typing.get_args(annotation) if t is not type(None))
-    keywords = {"type": annotation, "default": field.default, "help": help}
+    keywords = {"type": field.metadata.get("parse", annotation), "default": field.default, "help": help}
     if choices is not None:
         keywords["choices"] = choices
     if env is not None:  # None: not given, so parse_train_args reads the environment

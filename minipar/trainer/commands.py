@@ -13,6 +13,7 @@ import math
 from fractions import Fraction
 
 from minipar.memory import planner
+from minipar.memory.tracer import BudgetTooSmall
 from minipar.parallel import schedules
 from minipar.trainer.arguments import OneLineParser, fail, parse_train_args
 from minipar.trainer.validate import validate
@@ -33,7 +34,10 @@ def train_main(argv: list[str]) -> int:
     from minipar.trainer import loop as train
 
     install_excepthook()
-    train.train(cfg.resolved(world_size))
+    try:
+        train.train(cfg.resolved(world_size))
+    except BudgetTooSmall as refusal:  # every rank reached it together, after the warm-up step
+        return fail("minipar train", str(refusal))
     wait_for_everyone(MPI.COMM_WORLD)  # e.g. while rank 0 alone runs --check-reference
     return 0
 

@@ -16,6 +16,7 @@ from minipar.core.nn import MODELS
 from minipar.core.optim import OPTIMIZERS
 from minipar.core.recompute import RECOMPUTE_MODES
 from minipar.memory.offload import OFFLOADS, POLICIES
+from minipar.memory.tracer import budget_mb
 from minipar.parallel.schedules import SCHEDULES
 from minipar.parallel.zero import STAGES
 from minipar.precision.formats import PRECISIONS
@@ -24,14 +25,15 @@ _KEEP = object()  # single_process: the reference run keeps this field's value
 
 
 def option(default, help: str, choices=None, *, command_line: bool = True, env: str | None = None,
-           single_process=_KEEP):
+           single_process=_KEEP, parse=None):
     """A TrainConfig field with its command-line metadata.
 
     `choices`: the allowed values (argparse's choices, and validate's). `command_line=False`: a field
     set from Python only, with no flag. `env`: an environment variable the flag falls back to.
     `single_process`: the value the single-process reference run uses instead (a layout option, or
     one about this run's files and output); fields without it (the model, the data, the optimizer,
-    the precision) are what the reference must share with the run.
+    the precision) are what the reference must share with the run. `parse`: the function that reads
+    the flag's text, where the field's type cannot (a number or a word).
     """
     metadata = {"help": help, "command_line": command_line}
     if choices is not None:
@@ -40,6 +42,8 @@ def option(default, help: str, choices=None, *, command_line: bool = True, env: 
         metadata["env"] = env
     if single_process is not _KEEP:
         metadata["single_process"] = single_process
+    if parse is not None:
+        metadata["parse"] = parse
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -62,11 +66,14 @@ class TrainConfig:
                                 "without (Python only: no flag)", command_line=False)
     offload: str = option("none", "where chunked ZeRO-3 puts blocks past the device budget", OFFLOADS,
                           single_process="none")
-    device_mem_mb: float | None = option(None, "device budget in MiB for chunked ZeRO-3 (with --offload)",
-                                         single_process=None)
+    device_mem_mb: float | str | None = option(None, "device budget in MiB for chunked ZeRO-3 (with "
+                                               "--offload), or auto: the least the warm-up step needs",
+                                               single_process=None, parse=budget_mb)
     chunk_mb: float | None = option(None, "chunk size in MiB for chunked ZeRO-3 (default: least padding)",
                                     single_process=None)
     eviction: str = option("opt", "offload's eviction policy", POLICIES)
+    static_placement: bool = option(False, "chunked ZeRO-3: place blocks by the budget alone, without "
+                                    "the warm-up step's memory trace", single_process=False)
     steps: int = option(60, "total steps (a resumed run continues to it)")
     batch_size: int = option(16, "global batch (sequences)")
     seq_len: int = option(32, "tokens per sequence (the GPT's context)")

@@ -85,14 +85,17 @@ class Trainer:
         return record
 
     def run(self) -> list[dict]:
-        log = open(self.cfg.log, "a" if self.cfg.resume else "w") if self.cfg.log and self.is_rank0 else None
+        log = None  # opened after the first step: a run refused after its warm-up step writes nothing
         try:
             for step in range(self.start_step, self.cfg.steps):
                 record = self.step(step)
                 self.records.append(record)
-                if log:
+                if self.cfg.log and self.is_rank0:
+                    log = log or open(self.cfg.log, "a" if self.cfg.resume else "w")
                     log.write(json.dumps(record) + "\n")
                     log.flush()
+                if step == self.start_step:
+                    self.say_budget(record)
                 self.progress(record)
         finally:
             if log:
@@ -100,6 +103,12 @@ class Trainer:
         if self.cfg.save:
             checkpoint.save(self.cfg.save, self.engine, self.cfg.steps)
         return self.records
+
+    def say_budget(self, record: dict):
+        """--device-mem-mb auto: which budget the warm-up step chose (zero_chunked.py)."""
+        if self.is_rank0 and not self.cfg.quiet and self.cfg.device_mem_mb == "auto":
+            print(f"--device-mem-mb auto: {record['offload']['budget_bytes'] / 2**20:.4f} MiB, the least "
+                  "the warm-up step needs", flush=True)
 
     def progress(self, record: dict):
         every, step = max(1, self.cfg.steps // 10), record["step"]

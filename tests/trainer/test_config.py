@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from minipar.core import backend
+from minipar.memory.tracer import budget_mb
 from minipar.parallel.schedules import build_schedule
 from minipar.precision.formats import Precision
 from minipar.trainer.arguments import parse_train_args, train_parser
@@ -34,9 +35,10 @@ FLAGS = {
     "--schedule": ("1f1b", ("naive", "gpipe", "1f1b"), str),
     "--precision": ("fp32", ("fp64", "fp32", "bf16", "fp16"), str),
     "--offload": ("none", ("none", "cpu", "disk"), str),
-    "--device-mem-mb": (None, None, float),
+    "--device-mem-mb": (None, None, budget_mb),  # MiB, or auto
     "--chunk-mb": (None, None, float),
     "--eviction": ("opt", ("lru", "opt"), str),
+    "--static-placement": (False, None, SWITCH),
     "--steps": (60, None, int),
     "--batch-size": (16, None, int),
     "--seq-len": (32, None, int),
