@@ -71,6 +71,7 @@ class SimulatedCluster:
         self.prefix = f"minipar{self.tag}-"
         subnet = f"10.213.{20 + int(self.tag) % 200}"
         self.bridge, self.bridge_address = f"mnb{self.tag}", f"{subnet}.1"
+        self.netns_inodes: list[int] = []  # what identifies a namespace, also once its name is gone
         self.nodes = [Node(f"node{i}", f"{self.prefix}node{i}", f"{subnet}.{10 + i}", f"mnv{self.tag}n{i}")
                       for i in range(1, nodes + 1)]
 
@@ -91,6 +92,7 @@ class SimulatedCluster:
         ip("link", "set", self.bridge, "up")
         for node in self.nodes:
             ip("netns", "add", node.netns)
+            self.netns_inodes.append(os.stat(f"/run/netns/{node.netns}").st_ino)
             ip("link", "add", node.veth, "type", "veth", "peer", "name", "eth0", "netns", node.netns)
             ip("link", "set", node.veth, "master", self.bridge, "up")
             ip("-n", node.netns, "addr", "add", f"{node.address}/24", "dev", "eth0")
@@ -98,11 +100,15 @@ class SimulatedCluster:
             ip("-n", node.netns, "link", "set", "lo", "up")
 
     def pids(self) -> list[int]:
-        """Processes still running in the cluster's namespaces."""
-        found = []
-        for node in self.nodes:
-            listed = ip("netns", "pids", node.netns, check=False)
-            found += [int(pid) for pid in listed.stdout.split()] if listed.returncode == 0 else []
+        """Processes in the cluster's namespaces, found by the namespace each process is in (so also
+        after `ip netns del`, which forgets the name while a process keeps its namespace alive)."""
+        ours, found = {f"net:[{inode}]" for inode in self.netns_inodes}, []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and os.readlink(entry / "ns" / "net") in ours:
+                    found.append(int(entry.name))
+            except OSError:  # ended meanwhile, or not ours to read
+                pass
         return found
 
     def pids_after(self, seconds: float) -> list[int]:
@@ -149,21 +155,22 @@ class SimulatedCluster:
             counters[node.host] = dict(zip(names, map(int, read.stdout.split())))
         return counters
 
-    def mpiexec(self, command: list[str], ranks_per_node: int, placement: str = "block") -> list[str]:
-        """The mpiexec line that starts `command` on every node: "block" puts ranks 0..k-1 on node1
-        (tensor-parallel partners together), "round-robin" deals them out one node at a time."""
-        per_node = f":{ranks_per_node}" if placement == "block" else ""
-        hosts = ",".join(f"{node.host}{per_node}" for node in self.nodes)
+    def mpiexec(self, command: list[str], ranks_per_node: int, per_turn: int | None = None) -> list[str]:
+        """The mpiexec line that starts `command` on every node. Hydra deals ranks out `per_turn` at a
+        time, node after node, round and round: per_turn = ranks_per_node (the default) puts ranks
+        0..k-1 on node1 (the grid's tensor-parallel partners together); per_turn = 1 deals them out
+        one at a time (tp partners apart)."""
+        hosts = ",".join(f"{node.host}:{per_turn or ranks_per_node}" for node in self.nodes)
         return [MPIEXEC, "-n", str(ranks_per_node * len(self.nodes)), "-hosts", hosts, "-launcher", "ssh",
                 "-launcher-exec", str(LAUNCHER), "-iface", self.bridge, *command]
 
-    def run(self, command: list[str], ranks_per_node: int, placement: str = "block", env=None,
+    def run(self, command: list[str], ranks_per_node: int, per_turn: int | None = None, env=None,
             timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
         """Run a job on the cluster: (its result, seconds it took). A job past timeout is killed whole."""
         environment = {**os.environ, **TCP_ONLY, "MINIPAR_NETNS_PREFIX": self.prefix,
                        "MPIEXEC_TIMEOUT": str(int(timeout)), **(env or {})}
         started = time.monotonic()
-        job = subprocess.Popen(self.mpiexec(command, ranks_per_node, placement), cwd=ROOT, env=environment,
+        job = subprocess.Popen(self.mpiexec(command, ranks_per_node, per_turn), cwd=ROOT, env=environment,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
         try:
@@ -174,11 +181,11 @@ class SimulatedCluster:
         return subprocess.CompletedProcess(job.args, job.returncode, out, err), time.monotonic() - started
 
 
-def node_job(cluster: SimulatedCluster, cfg: dict, out: Path, placement: str = "block",
+def node_job(cluster: SimulatedCluster, cfg: dict, out: Path, per_turn: int | None = None,
              ranks_per_node: int = 4, env=None) -> tuple[dict, subprocess.CompletedProcess, float]:
     """Run tests/multinode/node_job.py (training with the link read at step boundaries): its JSON."""
     command = [sys.executable, "-m", "mpi4py", str(HERE / "node_job.py"), json.dumps(cfg), str(out)]
-    result, seconds = cluster.run(command, ranks_per_node, placement, env=env)
+    result, seconds = cluster.run(command, ranks_per_node, per_turn, env=env)
     found = json.loads(out.read_text()) if result.returncode == 0 and out.exists() else {}
     return found, result, seconds
 

@@ -1,9 +1,10 @@
 """Across nodes, tested: two simulated nodes (network namespaces on a bridge), real TCP between them.
 
 A serial test (plain pytest) that launches its own mpiexec: 2 nodes x 4 ranks, dp=2 across the nodes,
-pp=2 and tp=2 inside each (the grid's block placement), checked against one process; the ledger's
-inter-node bytes checked against the kernel's byte counters of each node's link; tp put across the
-nodes by round-robin placement; a fault on a rank of node 2; nothing left behind. Skipped, in one
+pp=2 and tp=2 inside each (the grid's placement), checked against one process; the ledger's
+inter-node bytes checked against the kernel's byte counters of each node's link; pp, then tp, put
+across the nodes by dealing ranks out 2, then 1, at a time; a fault on a rank of node 2; nothing
+left behind. Skipped, in one
 line, where network namespaces cannot be made (not root, or `ip netns add` refused).
 
     .venv/bin/python -m pytest -q tests/multinode/test_nodes.py       # make multinode: the figures
@@ -11,7 +12,9 @@ line, where network namespaces cannot be made (not root, or `ip netns add` refus
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 
 import pytest
 from cluster import SimulatedCluster, namespaces_unavailable, node_job
@@ -33,19 +36,28 @@ def cluster():
     assert made.leftovers() == []
 
 
-@pytest.fixture(scope="module")
-def block(cluster, tmp_path_factory):
-    """The job in the grid's placement: ranks 0-3 on node1, 4-7 on node2."""
-    found, result, _ = node_job(cluster, CFG, tmp_path_factory.mktemp("block") / "out.json")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return found
+# Hydra deals ranks out `per_turn` at a time, node after node: with 2 nodes, rank r runs on node
+# (r // per_turn) % 2 + 1. In the grid (tp fastest, then pp, then dp) that puts one dimension across.
+PLACEMENTS = {"tp_pp_inside": 4, "pp_across": 2, "tp_across": 1}
+
+
+def node_of(rank: int, per_turn: int) -> str:
+    return f"node{(rank // per_turn) % 2 + 1}"
+
+
+def partner(rank: int, dim: str) -> int:
+    """The other member of rank's dp, pp or tp group (each of size 2 here), by the grid's formula."""
+    stride = {"tp": 1, "pp": 2, "dp": 4}[dim]
+    return rank ^ stride
 
 
 @pytest.fixture(scope="module")
-def round_robin(cluster, tmp_path_factory):
-    """The same job with ranks dealt out one node at a time: even ranks on node1, odd on node2."""
-    found, result, _ = node_job(cluster, CFG, tmp_path_factory.mktemp("rr") / "out.json", "round-robin")
-    assert result.returncode == 0, result.stderr[-3000:]
+def jobs(cluster, tmp_path_factory):
+    """The job in each placement: its JSON (node_job.py)."""
+    found = {}
+    for name, per_turn in PLACEMENTS.items():
+        found[name], result, _ = node_job(cluster, CFG, tmp_path_factory.mktemp(name) / "out.json", per_turn)
+        assert result.returncode == 0, result.stderr[-3000:]
     return found
 
 
@@ -54,39 +66,42 @@ def inter_node_bytes(found: dict, node: str, step: int) -> int:
     return sum(r["comm"][step]["by_link"]["inter"] for r in found["ranks"] if r["node"] == node)
 
 
-def test_two_nodes_train_like_one_process(block):
-    assert block["check"]["max_rel_loss_deviation"] <= 1e-9, block["check"]
-    assert block["check"]["max_rel_weight_deviation"] <= 1e-9, block["check"]
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_two_nodes_train_like_one_process(jobs, placement):
+    check = jobs[placement]["check"]
+    assert check["max_rel_loss_deviation"] <= 1e-9 and check["max_rel_weight_deviation"] <= 1e-9, check
 
 
-def test_ranks_run_on_the_nodes_mpiexec_was_told(block, round_robin):
-    assert [r["node"] for r in block["ranks"]] == ["node1"] * 4 + ["node2"] * 4  # -hosts node1:4,node2:4
-    assert [r["node"] for r in round_robin["ranks"]] == ["node1", "node2"] * 4  # -hosts node1,node2
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_ranks_run_on_the_nodes_mpiexec_was_told(jobs, placement):
+    ranks = jobs[placement]["ranks"]
+    assert [r["node"] for r in ranks] == [node_of(r, PLACEMENTS[placement]) for r in range(8)]
 
 
-def test_with_tp_inside_a_node_only_dp_crosses(block):
-    for rank in block["ranks"]:
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_dimension_crosses_exactly_where_its_partner_is_on_the_other_node(jobs, placement):
+    """tp inside a node (the grid's placement): only dp crosses; dealt out 2 or 1 at a time: pp or tp."""
+    for rank in jobs[placement]["ranks"]:
         for step in rank["comm"]:
-            assert step["by_dim"]["dp"] > 0 and step["by_dim"]["tp"] > 0 and step["by_dim"]["pp"] > 0
-            assert step["by_dim_link"]["dp"] == {"intra": 0, "inter": step["by_dim"]["dp"]}, rank
-            assert step["by_dim_link"]["tp"]["inter"] == 0 and step["by_dim_link"]["pp"]["inter"] == 0
+            assert set(step["by_dim"]) == {"dp", "pp", "tp"} and all(step["by_dim"].values())
+            for dim, sent in step["by_dim"].items():
+                crosses = node_of(partner(rank["rank"], dim), PLACEMENTS[placement]) != rank["node"]
+                assert step["by_dim_link"][dim] == ({"intra": 0, "inter": sent} if crosses else
+                                                    {"intra": sent, "inter": 0}), (rank["rank"], dim)
+    crossing = {"tp_pp_inside": "dp", "pp_across": "pp", "tp_across": "tp"}[placement]
+    for rank, in_grid_placement in zip(jobs[placement]["ranks"], jobs["tp_pp_inside"]["ranks"]):
+        for step, grid_step in zip(rank["comm"], in_grid_placement["comm"]):
+            assert step["by_dim"] == grid_step["by_dim"]  # a layout's bytes do not depend on placement
+            assert step["by_link"]["inter"] == step["by_dim"][crossing]
 
 
-def test_round_robin_puts_tp_across_nodes_and_dp_pp_inside(block, round_robin):
-    for rank, same_place in zip(round_robin["ranks"], block["ranks"]):
-        for step, block_step in zip(rank["comm"], same_place["comm"]):
-            assert step["by_dim"] == block_step["by_dim"]  # the layout's bytes do not depend on placement
-            assert step["by_link"]["inter"] == step["by_dim"]["tp"], rank
-            assert step["by_dim_link"]["dp"]["inter"] == 0 and step["by_dim_link"]["pp"]["inter"] == 0
-
-
-@pytest.mark.parametrize("placement", ["block", "round_robin"])
-def test_kernel_counters_agree_with_the_ledger(placement, request):
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_kernel_counters_agree_with_the_ledger(jobs, placement):
     """What each node's link sent in a step: the ledger's inter-node payload plus per-packet headers.
 
     Fails when MPI takes shared memory between the nodes (the link sees ~nothing), or when the ledger
     charges a collective to the wrong link or misses one (off by a whole shard, far beyond headers)."""
-    found = request.getfixturevalue(placement)
+    found = jobs[placement]
     for link in found["links"]:
         for step, (sent, packets) in enumerate(link["per_step"]):
             payload = inter_node_bytes(found, link["node"], step)
@@ -112,9 +127,11 @@ def test_a_failing_body_still_leaves_nothing_behind():
         pytest.skip(reason)
     with pytest.raises(RuntimeError, match="the job failed"):
         with SimulatedCluster(nodes=2, tag="99") as doomed:
-            assert len(doomed.leftovers()) == 2 + 3  # the namespaces, the bridge and the two veths exist
-            sleeper = doomed.run(["sleep", "0"], ranks_per_node=1)[0]  # a process ran inside and ended
-            assert sleeper.returncode == 0, sleeper.stderr
+            # a rank that outlives its job, on node 2
+            subprocess.Popen(["ip", "netns", "exec", doomed.nodes[1].netns, "sleep", "60"])
+            while not doomed.pids():  # until it has entered the namespace
+                time.sleep(0.01)
+            assert len(doomed.leftovers()) == 2 + 3 + 1  # the namespaces, bridge, veths and the process
             raise RuntimeError("the job failed")
     assert doomed.leftovers() == []
 
