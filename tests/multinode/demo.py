@@ -1,0 +1,78 @@
+"""make multinode: a 3D job on two simulated nodes, and the figures lesson 07 ("Across nodes") quotes.
+
+1. `minipar train --dp 2 --pp 2 --tp 2 --check-reference` on 2 nodes x 4 ranks: its summary, with the
+   link split (bytes that stayed inside a node, bytes that crossed, per dimension).
+2. The kernel's count against the ledger, per step and node, for three placements of the same job
+   (tp and pp inside a node; pp across; tp across): payload, link bytes, packets, overhead per packet;
+   and the bytes the whole job sent that no step window holds (start-up, the final gathers).
+3. A fault on a rank of node 2 (rank 5): how long until every rank on both nodes has ended.
+4. What is left afterwards: nothing.
+
+Run as root (network namespaces): `make multinode`, or `.venv/bin/python tests/multinode/cluster.py`.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from cluster import SimulatedCluster, node_job
+
+MODEL = dict(n_layer=4, n_head=4, d_model=64, seq_len=16, batch_size=16)  # the default GPT
+LAYOUT = dict(dp=2, pp=2, tp=2, microbatches=2)
+PLACEMENTS = {"tp, pp inside a node (-hosts node1:4,node2:4)": 4, "pp across (node1:2,node2:2)": 2,
+              "tp across (node1:1,node2:1)": 1}
+FLAGS = ["--dp", "2", "--pp", "2", "--tp", "2", "--microbatches", "2", "--n-layer", "4", "--n-head", "4",
+         "--d-model", "64", "--seq-len", "16", "--batch-size", "16", "--precision", "fp64"]
+
+
+def train_on_two_nodes(cluster: SimulatedCluster) -> bool:
+    command = [sys.executable, "-m", "minipar", "train", *FLAGS, "--steps", "3", "--check-reference"]
+    result, seconds = cluster.run(command, ranks_per_node=4)
+    print(f"$ mpiexec -hosts node1:4,node2:4 ... python -m minipar train {' '.join(FLAGS)} --steps 3 "
+          f"--check-reference\n{result.stdout}(ended with {result.returncode} after {seconds:.1f} s)")
+    return result.returncode == 0
+
+
+def kernel_against_ledger(cluster: SimulatedCluster, folder: Path) -> bool:
+    print("\nper step and node: the ledger's inter-node payload, what the node's link sent (kernel)")
+    print(f"{'placement':<48}{'node':>6}{'payload B':>12}{'link B':>12}{'packets':>9}{'B/packet':>10}"
+          f"{'overhead':>10}{'outside steps B':>17}")
+    ok = True
+    cfg = {**MODEL, **LAYOUT, "precision": "fp64", "steps": 3, "quiet": True}
+    for name, per_turn in PLACEMENTS.items():
+        found, result, _ = node_job(cluster, cfg, folder / f"{per_turn}.json", per_turn)
+        if result.returncode != 0:
+            print(result.stderr[-2000:])
+            return False
+        ok &= found["check"]["max_rel_weight_deviation"] <= 1e-9
+        jobs = {link["node"]: link["job"][0] for link in found["job_links"]}
+        for link in found["links"]:
+            step, (sent, packets) = len(link["per_step"]) - 1, link["per_step"][-1]  # the last step
+            payload = sum(r["comm"][step]["by_link"]["inter"] for r in found["ranks"] if r["node"] == link["node"])
+            outside = jobs[link["node"]] - sum(b for b, _ in link["per_step"])
+            print(f"{name:<48}{link['node']:>6}{payload:>12,}{sent:>12,}{packets:>9}"
+                  f"{(sent - payload) / packets:>10.1f}{(sent - payload) / payload:>10.2%}{outside:>17,}")
+    return ok
+
+
+def fault_on_node2(cluster: SimulatedCluster) -> bool:
+    command = [sys.executable, "-m", "minipar", "train", *FLAGS, "--steps", "4", "--quiet"]
+    result, seconds = cluster.run(command, ranks_per_node=4, env={"MINIPAR_FAULT": "rank:5,step:1"})
+    left = cluster.pids_after(10)
+    print(f"\nMINIPAR_FAULT=rank:5,step:1 (rank 5 runs on node2): mpiexec ended with {result.returncode} "
+          f"after {seconds:.1f} s; processes left in the nodes: {len(left)}")
+    return result.returncode != 0 and not left
+
+
+def demo() -> int:
+    with tempfile.TemporaryDirectory() as folder, SimulatedCluster(nodes=2) as cluster:
+        print(f"2 nodes: {', '.join(f'{n.host} {n.address}' for n in cluster.nodes)} on bridge "
+              f"{cluster.bridge} {cluster.bridge_address}; UCX_TLS=tcp,self\n")
+        ok = train_on_two_nodes(cluster)
+        ok = kernel_against_ledger(cluster, Path(folder)) and ok
+        ok = fault_on_node2(cluster) and ok
+    left = cluster.leftovers()
+    print(f"after teardown: {left or 'no namespace, interface or process left'}")
+    return 0 if ok and not left else 1
