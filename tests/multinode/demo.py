@@ -50,7 +50,8 @@ def kernel_against_ledger(cluster: SimulatedCluster, folder: Path) -> bool:
         jobs = {link["node"]: link["job"][0] for link in found["job_links"]}
         for link in found["links"]:
             step, (sent, packets) = len(link["per_step"]) - 1, link["per_step"][-1]  # the last step
-            payload = sum(r["comm"][step]["by_link"]["inter"] for r in found["ranks"] if r["node"] == link["node"])
+            payload = sum(r["comm"][step]["by_link"]["inter"] for r in found["ranks"]
+                          if r["node"] == link["node"])
             outside = jobs[link["node"]] - sum(b for b, _ in link["per_step"])
             print(f"{name:<48}{link['node']:>6}{payload:>12,}{sent:>12,}{packets:>9}"
                   f"{(sent - payload) / packets:>10.1f}{(sent - payload) / payload:>10.2%}{outside:>17,}")
