@@ -155,6 +155,18 @@ class SimulatedCluster:
             counters[node.host] = dict(zip(names, map(int, read.stdout.split())))
         return counters
 
+    def shape_links(self, qdisc: list[str] | None) -> str | None:
+        """Give every node's outgoing link a tc queueing discipline (e.g. ["tbf", "rate", "100mbit",
+        "burst", "64kb", "latency", "100ms"], or ["netem", "delay", "1ms"]), or take it off (None).
+        Returns why the kernel refused it (one line), or None."""
+        for node in self.nodes:
+            action = ["replace", "dev", "eth0", "root", *qdisc] if qdisc else ["del", "dev", "eth0", "root"]
+            done = subprocess.run(["ip", "netns", "exec", node.netns, "tc", "qdisc", *action],
+                                  capture_output=True, text=True)
+            if done.returncode != 0 and qdisc:
+                return f"tc qdisc {' '.join(qdisc)}: {done.stderr.strip()}"
+        return None
+
     def mpiexec(self, command: list[str], ranks_per_node: int, per_turn: int | None = None) -> list[str]:
         """The mpiexec line that starts `command` on every node. Hydra deals ranks out `per_turn` at a
         time, node after node, round and round: per_turn = ranks_per_node (the default) puts ranks

@@ -5,8 +5,10 @@
 2. The kernel's count against the ledger, per step and node, for three placements of the same job
    (tp and pp inside a node; pp across; tp across): payload, link bytes, packets, overhead per packet;
    and the bytes the whole job sent that no step window holds (start-up, the final gathers).
-3. A fault on a rank of node 2 (rank 5): how long until every rank on both nodes has ended.
-4. What is left afterwards: nothing.
+3. The alpha-beta effect: step time with tp inside and across nodes, the link limited by tc tbf
+   (netem's delay where the kernel has it; skipped in one line otherwise).
+4. A fault on a rank of node 2 (rank 5): how long until every rank on both nodes has ended.
+5. What is left afterwards: nothing.
 
 Run as root (network namespaces): `make multinode`, or `.venv/bin/python tests/multinode/cluster.py`.
 """
@@ -67,12 +69,39 @@ def fault_on_node2(cluster: SimulatedCluster) -> bool:
     return result.returncode != 0 and not left
 
 
+def shaped_step_times(cluster: SimulatedCluster, folder: Path) -> None:
+    """The alpha-beta effect: step time with tp inside and across nodes as the link gets slower."""
+    print("\nstep time (rank 0, median of steps 1-3) with each node's outgoing link limited by tc tbf")
+    print(f"{'link':<12}{'tp inside: s':>14}{'tp across: s':>14}{'across / inside':>17}"
+          f"{'inside: B/rate':>16}{'across: B/rate':>16}")
+    cfg = {**MODEL, **LAYOUT, "precision": "fp64", "steps": 4, "quiet": True}
+    for rate, mbit in (("unshaped", None), ("400mbit", 400), ("100mbit", 100), ("25mbit", 25)):
+        refused = cluster.shape_links(["tbf", "rate", rate, "burst", "64kb", "latency", "400ms"]
+                                      if mbit else None)
+        if refused:
+            print(f"{rate:<12}skipped: {refused}")
+            continue
+        seconds, sent = {}, {}
+        for per_turn in (4, 1):  # inside, then across: one after the other, at the same load
+            found, result, _ = node_job(cluster, cfg, folder / f"shaped{per_turn}.json", per_turn)
+            seconds[per_turn] = sorted(found["step_s"][1:])[1] if result.returncode == 0 else float("nan")
+            sent[per_turn] = max(link["per_step"][-1][0] for link in found.get("links", [])) or 0
+        model = [f"{sent[p] * 8 / (mbit * 1e6):>16.3f}" if mbit else f"{'-':>16}" for p in (4, 1)]
+        print(f"{rate:<12}{seconds[4]:>14.3f}{seconds[1]:>14.3f}{seconds[1] / seconds[4]:>17.2f}"
+              + "".join(model))
+    cluster.shape_links(None)
+    refused = cluster.shape_links(["netem", "delay", "1ms"])
+    print(f"latency (tc netem delay): {'skipped: ' + refused if refused else 'see lesson 07, exercise 5'}")
+    cluster.shape_links(None)
+
+
 def demo() -> int:
     with tempfile.TemporaryDirectory() as folder, SimulatedCluster(nodes=2) as cluster:
         print(f"2 nodes: {', '.join(f'{n.host} {n.address}' for n in cluster.nodes)} on bridge "
               f"{cluster.bridge} {cluster.bridge_address}; UCX_TLS=tcp,self\n")
         ok = train_on_two_nodes(cluster)
         ok = kernel_against_ledger(cluster, Path(folder)) and ok
+        shaped_step_times(cluster, Path(folder))
         ok = fault_on_node2(cluster) and ok
     left = cluster.leftovers()
     print(f"after teardown: {left or 'no namespace, interface or process left'}")

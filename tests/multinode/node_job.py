@@ -62,7 +62,8 @@ def main(config_json: str, out: str) -> None:
     if world.rank == 0:
         check = compare_with_reference(cfg, records, full)
         Path(out).write_text(json.dumps({
-            "check": check, "losses": [r["loss"] for r in records], "ranks": ledgers,
+            "check": check, "losses": [r["loss"] for r in records], "step_s": [r["time_s"] for r in records],
+            "ranks": ledgers,
             "links": [x for x in links if x], "job_links": [x for x in job_link if x],
             "grid": trainer.grid.describe()}))
 
