@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import cluster as simulated
 import pytest
 from cluster import SimulatedCluster, namespaces_unavailable, node_job
 
@@ -149,3 +150,14 @@ def test_ledger_splits_each_dimension_by_link():
         "by_link": {"intra": 7, "inter": 10},
         "by_dim_link": {"dp": {"intra": 0, "inter": 10}, "tp": {"intra": 7, "inter": 0}}}
     assert ledger.total_links()["by_link"] == {"intra": 7, "inter": 110}
+
+
+def test_where_namespaces_cannot_be_made_the_reason_is_one_line(monkeypatch):
+    monkeypatch.setattr(simulated.os, "geteuid", lambda: 1000)
+    assert namespaces_unavailable() == "network namespaces need root"
+    monkeypatch.setattr(simulated.os, "geteuid", lambda: 0)
+    refused = subprocess.CompletedProcess([], 1, "", "mount --make-shared /run/netns failed: "
+                                                     "Operation not permitted\n")
+    monkeypatch.setattr(simulated, "ip", lambda *args, check=True: refused)
+    assert namespaces_unavailable() == \
+        "`ip netns add` refused: mount --make-shared /run/netns failed: Operation not permitted"
