@@ -161,3 +161,13 @@ def test_where_namespaces_cannot_be_made_the_reason_is_one_line(monkeypatch):
     monkeypatch.setattr(simulated, "ip", lambda *args, check=True: refused)
     assert namespaces_unavailable() == \
         "`ip netns add` refused: mount --make-shared /run/netns failed: Operation not permitted"
+
+
+def test_summary_prints_each_dimension_by_link():
+    from minipar.trainer.report import comm_table
+
+    comm = {"sent_bytes": 17, "messages": 3, "by_op": {"all_reduce": 17}, "by_dim": {"dp": 10, "tp": 7},
+            "by_link": {"intra": 7, "inter": 10},
+            "by_dim_link": {"dp": {"intra": 0, "inter": 10}, "tp": {"intra": 7, "inter": 0},
+                            "pp": {"intra": 0, "inter": 0}}}
+    assert comm_table(comm)[-2:] == ["  intra-node:    dp 0, tp 7", "  inter-node:    dp 10, tp 0"]
