@@ -55,6 +55,16 @@ def namespaces_unavailable() -> str | None:
     return None
 
 
+def free_subnet(start: int) -> str:
+    """A 10.213.K /24 that no interface here uses yet (two clusters at once must not share one)."""
+    in_use = ip("-o", "addr", "show", check=False).stdout
+    for k in range(200):
+        subnet = f"10.213.{20 + (start + k) % 200}"
+        if f" {subnet}." not in in_use:
+            return subnet
+    raise RuntimeError("no free 10.213.K.0/24 subnet for the simulated nodes")
+
+
 @dataclass(frozen=True)
 class Node:
     host: str       # its hostname, as mpiexec -hosts names it
@@ -69,7 +79,7 @@ class SimulatedCluster:
     def __init__(self, nodes: int = 2, tag: str | None = None):
         self.tag = tag or str(os.getpid() % 100_000)
         self.prefix = f"minipar{self.tag}-"
-        subnet = f"10.213.{20 + int(self.tag) % 200}"
+        subnet = free_subnet(int(self.tag))
         self.bridge, self.bridge_address = f"mnb{self.tag}", f"{subnet}.1"
         self.netns_inodes: list[int] = []  # what identifies a namespace, also once its name is gone
         self.nodes = [Node(f"node{i}", f"{self.prefix}node{i}", f"{subnet}.{10 + i}", f"mnv{self.tag}n{i}")

@@ -12,6 +12,7 @@ line, where network namespaces cannot be made (not root, or `ip netns add` refus
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -127,7 +128,7 @@ def test_a_failing_body_still_leaves_nothing_behind():
     if reason:
         pytest.skip(reason)
     with pytest.raises(RuntimeError, match="the job failed"):
-        with SimulatedCluster(nodes=2, tag="99") as doomed:
+        with SimulatedCluster(nodes=2, tag=str((os.getpid() + 50_000) % 100_000)) as doomed:
             # a rank that outlives its job, on node 2
             subprocess.Popen(["ip", "netns", "exec", doomed.nodes[1].netns, "sleep", "60"])
             while not doomed.pids():  # until it has entered the namespace
