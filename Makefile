@@ -48,7 +48,7 @@ demo: $(INSTALLED)
 # The 3D job on 2 simulated nodes (network namespaces, root only), TCP between them: the link split, the
 # kernel's byte counters against the ledger, tp across nodes, a fault on node 2 (tests/multinode/).
 multinode: $(INSTALLED)
-	cd tests/multinode && ../../$(PYTHON) cluster.py
+	cd tests/multinode && NODES=$(or $(NODES),2) ../../$(PYTHON) cluster.py
 
 bench: $(INSTALLED)
 	$(PYTHON) -m minipar bench all
