@@ -1,4 +1,4 @@
-# minipar: make test | make demo | make bench | make lint
+# minipar: make test | make demo | make bench | make lint | make multinode
 # Every target builds .venv first if needed, and reinstalls only when pyproject.toml changed.
 
 SHELL := /bin/bash
@@ -17,7 +17,7 @@ export MKL_NUM_THREADS ?= 1
 START := $(shell date +%s)
 say = echo "[make] $(1): $$(( $$(date +%s) - $(2) )) s"
 
-.PHONY: test demo bench lint setup
+.PHONY: test demo bench lint setup multinode
 
 setup: $(INSTALLED)
 
@@ -44,6 +44,11 @@ test: lint
 demo: $(INSTALLED)
 	$(MPIEXEC) -n 8 $(PYTHON) -m minipar train --dp 2 --pp 2 --tp 2 --zero 1 --microbatches 4 --steps 100 --precision fp64 \
 	  --check-reference
+
+# The 3D job on 2 simulated nodes (network namespaces, root only), TCP between them: the link split, the
+# kernel's byte counters against the ledger, tp across nodes, a fault on node 2 (tests/multinode/).
+multinode: $(INSTALLED)
+	cd tests/multinode && NODES=$(or $(NODES),2) ../../$(PYTHON) cluster.py
 
 bench: $(INSTALLED)
 	$(PYTHON) -m minipar bench all

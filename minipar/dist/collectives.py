@@ -74,7 +74,8 @@ class _Ring:
         return received
 
     def record(self, op: str) -> None:
-        self.comm.ledger.charge(self.comm.name, op, self.bytes_sent, self.messages)
+        self.comm.ledger.charge(self.comm.name, op, self.bytes_sent, self.messages,
+                                link=self.comm.link_to(self.right))
 
 
 def _reduce_scatter(ring: _Ring, flat: numpy.ndarray, wire: Wire) -> numpy.ndarray:

@@ -22,6 +22,11 @@ need not pass on). When N divides S these are exactly (N-1)/N * S; otherwise the
 less than one element, and the charges of all ranks still add up to exactly (N-1) * S.
 Messages are counted the same way: N-1 per reduce-scatter or all-gather, 2(N-1) per all-reduce.
 
+Each charge also says its link: "inter" when the bytes go to a rank on another node (the ring's
+successor, or a send's destination), "intra" when they stay inside one; a Comm learns its members'
+nodes from ``ProcessGrid`` (processor names) and, told none, takes them as one node
+(lessons/07_3d.md, "Across nodes").
+
 Control helpers (``allreduce_obj``, ``bcast_obj``, ``gather_obj``, ``allgather_obj``) move a few
 pickled bytes to take decisions (loss values, sizes, flags); they are not charged, so the ledger
 shows exactly the payload traffic that the cost model of each technique predicts.
@@ -68,30 +73,54 @@ def ring_messages(op: str, size: int) -> int:
     return (2 if op == "all_reduce" else 1) * (size - 1)
 
 
+LINKS = ("intra", "inter")  # bytes that stay inside a node, bytes that cross between nodes
+
+
 class TrafficLedger:
-    """Bytes and messages sent by this rank, keyed by (communicator name, op)."""
+    """Bytes and messages sent by this rank, keyed by (communicator name, op), and bytes by link."""
 
     def __init__(self):
         self._total_bytes: Counter[tuple[str, str]] = Counter()  # (dim, op) -> bytes sent since the start
         self._total_messages: Counter[tuple[str, str]] = Counter()
-        self._step_bytes: Counter[tuple[str, str]] = Counter()  # the same since start_step()
-        self._step_messages: Counter[tuple[str, str]] = Counter()
+        self._total_links: Counter[tuple[str, str]] = Counter()  # (dim, link) -> bytes sent
+        self.start_step()
 
-    def charge(self, dim: str, op: str, nbytes: int, messages: int = 1) -> None:
+    def charge(self, dim: str, op: str, nbytes: int, messages: int = 1, link: str = "intra") -> None:
         key = (dim, op)
         for counter, amount in ((self._total_bytes, nbytes), (self._step_bytes, nbytes),
                                 (self._total_messages, messages), (self._step_messages, messages)):
             counter[key] += int(amount)
+        for counter in (self._total_links, self._step_links):
+            counter[(dim, link)] += int(nbytes)
 
     def start_step(self) -> None:
         """Begin a new step window; step_report() covers the traffic since."""
-        self._step_bytes, self._step_messages = Counter(), Counter()
+        self._step_bytes: Counter[tuple[str, str]] = Counter()
+        self._step_messages: Counter[tuple[str, str]] = Counter()
+        self._step_links: Counter[tuple[str, str]] = Counter()
 
     def step_report(self) -> dict:
         return _report(self._step_bytes, self._step_messages)
 
     def total_report(self) -> dict:
         return _report(self._total_bytes, self._total_messages)
+
+    def step_links(self) -> dict:
+        """The step window's bytes by link: {"by_link": {intra, inter}, "by_dim_link": {dim: {...}}}."""
+        return _link_report(self._step_links)
+
+    def total_links(self) -> dict:
+        return _link_report(self._total_links)
+
+
+def _link_report(links: Counter[tuple[str, str]]) -> dict:
+    """by_link: {intra, inter} bytes; by_dim_link: the same for each parallel dimension."""
+    by_link = {link: 0 for link in LINKS}
+    by_dim_link: dict[str, dict[str, int]] = {}
+    for (dim, link), nbytes in links.items():
+        by_link[link] += nbytes
+        by_dim_link.setdefault(dim, {link: 0 for link in LINKS})[link] += nbytes
+    return {"by_link": by_link, "by_dim_link": by_dim_link}
 
 
 def _report(sent: Counter[tuple[str, str]], messages: Counter[tuple[str, str]]) -> dict:
@@ -131,12 +160,26 @@ def node_local_rank(mpi_comm) -> int:
 class Comm:
     """An MPI communicator with a name ("world", "dp", "tp", "pp", ...) and a traffic ledger."""
 
-    def __init__(self, mpi_comm, name: str = "world", ledger: TrafficLedger | None = None):
+    def __init__(self, mpi_comm, name: str = "world", ledger: TrafficLedger | None = None,
+                 nodes: list[str] | None = None):
         self.mpi = mpi_comm
         self.name = name
         self.ledger = ledger if ledger is not None else TrafficLedger()
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
+        # the node of each rank, in rank order (ProcessGrid knows them); None: all on one node
+        self.nodes = list(nodes) if nodes is not None else None
+
+    def link_to(self, peer: int) -> str:
+        """"inter" when rank `peer` of this communicator is on another node than this rank, else "intra"."""
+        if self.nodes is None or self.nodes[peer] == self.nodes[self.rank]:
+            return "intra"
+        return "inter"
+
+    @property
+    def successor(self) -> int:
+        """The next rank on the ring: where the ring collectives (and a pipelined broadcast) send."""
+        return (self.rank + 1) % self.size
 
     def __repr__(self) -> str:
         return f"Comm({self.name!r}, rank {self.rank} of {self.size})"
@@ -144,7 +187,7 @@ class Comm:
     def _charge_ring(self, op: str, shard_elements: list[int], itemsize: int) -> None:
         shard_nbytes = [count * itemsize for count in shard_elements]
         self.ledger.charge(self.name, op, ring_bytes_sent(op, shard_nbytes, self.rank),
-                           ring_messages(op, self.size))
+                           ring_messages(op, self.size), link=self.link_to(self.successor))
 
     def all_reduce(self, x, op: str = "sum"):
         """A new array of x's shape: the elementwise op ("sum", "max", "min") over all ranks."""
@@ -194,14 +237,15 @@ class Comm:
         buffer = _send_buffer(x, copy=True)  # a new buffer: the other ranks receive into it
         self.mpi.Bcast(buffer, root=root)
         forwarded = self.size > 1
-        self.ledger.charge(self.name, "broadcast", buffer.nbytes if forwarded else 0, int(forwarded))
+        self.ledger.charge(self.name, "broadcast", buffer.nbytes if forwarded else 0, int(forwarded),
+                           link=self.link_to(self.successor))
         return _device(buffer)
 
     def send(self, x, dest: int, tag: int = 0) -> None:
         """Blocking send of x to rank dest of this communicator."""
         buffer = _send_buffer(x)
         self.mpi.Send(buffer, dest=dest, tag=tag)
-        self.ledger.charge(self.name, "send", buffer.nbytes)
+        self.ledger.charge(self.name, "send", buffer.nbytes, link=self.link_to(dest))
 
     def isend(self, x, dest: int, tag: int = 0):
         """Non-blocking send of x to rank dest, charged like send; returns the MPI request to Wait() on.
@@ -209,7 +253,7 @@ class Comm:
         A pipeline needs it: two neighbours that both block in a large Send would wait for each other."""
         buffer = _send_buffer(x)
         request = self.mpi.Isend(buffer, dest=dest, tag=tag)  # the request keeps the buffer alive
-        self.ledger.charge(self.name, "send", buffer.nbytes)
+        self.ledger.charge(self.name, "send", buffer.nbytes, link=self.link_to(dest))
         return request
 
     def sendrecv(self, x, dest: int, source: int, tag: int = 0):
@@ -231,9 +275,10 @@ class Comm:
     def barrier(self) -> None:
         self.mpi.Barrier()
 
-    def split(self, color: int, key: int, name: str) -> Comm:
-        """Sub-communicator of the ranks with the same color, ordered by key, sharing this ledger."""
-        return Comm(self.mpi.Split(color, key), name=name, ledger=self.ledger)
+    def split(self, color: int, key: int, name: str, nodes: list[str] | None = None) -> Comm:
+        """Sub-communicator of the ranks with the same color, ordered by key, sharing this ledger;
+        nodes: the node of each of its ranks, in its rank order (for the link split)."""
+        return Comm(self.mpi.Split(color, key), name=name, ledger=self.ledger, nodes=nodes)
 
     # Uncharged control messages: small Python objects, pickled.
     def allreduce_obj(self, obj, op: str = "sum"):
@@ -258,6 +303,8 @@ class ProcessGrid:
     next. Sub-communicators dp, pp, cp, tp join the ranks that differ in that coordinate only; dp_cp
     joins those that differ in dp or cp: the ranks holding the same parameters with context
     parallelism, over which gradients are summed (it is dp itself when cp = 1).
+    `nodes[r]` is the node (MPI processor name, the hostname) of world rank r; the sub-communicators
+    know their members' nodes, so the ledger splits their bytes into intra- and inter-node.
     """
 
     def __init__(self, world: Comm, dp: int, pp: int, tp: int, cp: int = 1):
@@ -270,12 +317,22 @@ class ProcessGrid:
         self.world = world
         self.dp_size, self.pp_size, self.cp_size, self.tp_size = dp, pp, cp, tp
         self.dp_rank, self.pp_rank, self.tp_rank, self.cp_rank = self.coords_of(world.rank)
+        self.nodes: list[str] = world.allgather_obj(MPI.Get_processor_name())
         d, p, c, t = self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank
-        self.dp = world.split(color=(p * cp + c) * tp + t, key=d, name="dp")
-        self.pp = world.split(color=(d * cp + c) * tp + t, key=p, name="pp")
-        self.tp = world.split(color=(d * pp + p) * cp + c, key=t, name="tp")
-        self.cp = world.split(color=(d * pp + p) * tp + t, key=c, name="cp")
-        self.dp_cp = self.dp if cp == 1 else world.split(color=p * tp + t, key=d * cp + c, name="dp_cp")
+        self.dp = world.split(color=(p * cp + c) * tp + t, key=d, name="dp",
+                              nodes=self._nodes_of([self.rank_of(i, p, t, c) for i in range(dp)]))
+        self.pp = world.split(color=(d * cp + c) * tp + t, key=p, name="pp",
+                              nodes=self._nodes_of([self.rank_of(d, i, t, c) for i in range(pp)]))
+        self.tp = world.split(color=(d * pp + p) * cp + c, key=t, name="tp",
+                              nodes=self._nodes_of([self.rank_of(d, p, i, c) for i in range(tp)]))
+        self.cp = world.split(color=(d * pp + p) * tp + t, key=c, name="cp",
+                              nodes=self._nodes_of([self.rank_of(d, p, t, i) for i in range(cp)]))
+        self.dp_cp = self.dp if cp == 1 else world.split(
+            color=p * tp + t, key=d * cp + c, name="dp_cp",
+            nodes=self._nodes_of([self.rank_of(i // cp, p, t, i % cp) for i in range(dp * cp)]))
+
+    def _nodes_of(self, world_ranks: list[int]) -> list[str]:
+        return [self.nodes[r] for r in world_ranks]
 
     def coords_of(self, rank: int) -> tuple[int, int, int, int]:
         """(dp_rank, pp_rank, tp_rank, cp_rank) of a world rank: the 3D coordinates, then cp."""
@@ -297,6 +354,10 @@ class ProcessGrid:
         order = "tp varies fastest, then cp, then pp, then dp" if cp > 1 else "tp varies fastest, then pp, then dp"
         lines = [f"ProcessGrid {sizes} ({self.world.size} ranks; {order})",
                  "world rank at each (dp, pp, cp, tp):" if cp > 1 else "world rank at each (dp, pp, tp):"]
+        if len(set(self.nodes)) > 1:  # across nodes: where each rank runs
+            lines.insert(1, "nodes: " + ", ".join(
+                f"{node} = ranks {[r for r, n in enumerate(self.nodes) if n == node]}"
+                for node in dict.fromkeys(self.nodes)))
         for dp_rank in range(self.dp_size):
             header = "".join(f"tp={t}".rjust(width) for t in range(self.tp_size))
             lines.append(f"  dp={dp_rank}".ljust(indent) + header)

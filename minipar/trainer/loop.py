@@ -74,7 +74,7 @@ class Trainer:
             "tokens_per_s": float((targets.size if cfg.model == "gpt" else len(targets)) / elapsed),
             "time_s": elapsed,
             "mem": self.memory.report(),
-            "comm": traffic.step_report(),
+            "comm": {**traffic.step_report(), **traffic.step_links()},  # by_link: intra-/inter-node
         }
         optional = {  # in the log only where the layout has them
             "pipeline": self.engine.runner.timing(),  # busy/idle time of the stages, bubble (pipeline.py)

@@ -37,7 +37,16 @@ def comm_table(comm: dict) -> list[str]:
     by_dim = {k: v for k, v in comm.get("by_dim", {}).items() if v}
     lines.append("  by collective: " + (", ".join(f"{k} {v:,}" for k, v in sorted(by_op.items())) or "none"))
     lines.append("  by dimension:  " + (", ".join(f"{k} {v:,}" for k, v in sorted(by_dim.items())) or "none"))
-    return lines
+    return lines + link_lines(comm)
+
+
+def link_lines(comm: dict) -> list[str]:
+    """Bytes that stayed inside a node and bytes that crossed between nodes, per parallel dimension."""
+    by_dim_link = {dim: links for dim, links in sorted(comm.get("by_dim_link", {}).items())
+                   if any(links.values())}
+    return [f"  {name:<15}" + (", ".join(f"{dim} {links.get(link, 0):,}"
+                                         for dim, links in by_dim_link.items()) or "none")
+            for name, link in (("intra-node:", "intra"), ("inter-node:", "inter"))]
 
 
 def pipeline_line(records: list[dict]) -> list[str]:
