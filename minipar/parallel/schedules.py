@@ -178,7 +178,8 @@ def _action_at(op: str, microbatch: int, virtual: int, stages: int, chunks: int)
     return virtual % stages, Action(op, microbatch, None if chunks == 1 else virtual // stages)
 
 
-def dependencies(stage: int, action: Action, stages: int, virtual_stages: int = 1) -> list[tuple[int, Action]]:
+def dependencies(stage: int, action: Action, stages: int,
+                 virtual_stages: int = 1) -> list[tuple[int, Action]]:
     """The (stage, action) pairs that must finish before `action` can start on `stage`.
 
     A pair on another stage is a message the executor receives: activations from the virtual stage

@@ -196,9 +196,11 @@ def schedule_main(argv: list[str]) -> int:
         return 0
     costs = f"forward 1 time unit, backward {args.backward_cost}"
     if split:
-        costs = f"forward 1 time unit, input gradient B {args.backward_cost}, weight gradient W {args.weight_cost}"
+        costs = (f"forward 1 time unit, input gradient B {args.backward_cost}, "
+                 f"weight gradient W {args.weight_cost}")
     chunks = f", chunks per rank V={args.virtual_stages}" if args.virtual_stages > 1 else ""
-    print(f"{args.schedule} schedule: stages K={args.stages}, micro-batches M={microbatches}{chunks}, {costs}")
+    print(f"{args.schedule} schedule: stages K={args.stages}, micro-batches M={microbatches}{chunks}, "
+          f"{costs}")
     if args.schedule == "naive":
         print("(naive runs the whole batch as one micro-batch; --microbatches is ignored)")
     if timeline.slot != 1:
