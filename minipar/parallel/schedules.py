@@ -30,6 +30,7 @@ typed in. Lesson 06 (pipeline parallelism) explains it; `python -m minipar sched
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -145,8 +146,8 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
     return schedule
 
 
-SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
-             "zb-h1": zb_h1}
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
 
 
 def build_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:

@@ -48,7 +48,7 @@ def build_model(cfg, grid):
     else:
         model = GPT(mcfg, seed=None) if cfg.model == "gpt" else MLPNet(mcfg, seed=None)
     if cfg.pp > 1:  # keep this stage's units only, under their global names
-        model = pipeline.build_stage(model, grid.pp.size, grid.pp_rank)
+        model = pipeline.build_stage(model, grid.pp.size, grid.pp_rank, cfg.virtual_stages)
     if cfg.fused:
         fused_training.use_fused_gelu(model)
     return model.init_parameters(cfg.seed)
@@ -70,7 +70,8 @@ def chunked(cfg) -> bool:
 def build_runner(cfg, grid, model):
     """Forward and backward: through the pipeline's stages (--pp > 1), or micro-batch after micro-batch."""
     if cfg.pp > 1:
-        return pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model, cfg.dtype)
+        return pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model, cfg.dtype,
+                                       cfg.virtual_stages)
     return MicrobatchRunner(model, cfg.microbatches)
 
 
