@@ -241,6 +241,9 @@ def _backward_deferring_weights(function, ctx, g, inputs, deferred: list) -> tup
     if any(ctx.needs_input_grad):  # an embedding has only its weight's gradient: nothing to do now
         input_grads = function.backward(ctx, g)
         input_grads = input_grads if isinstance(input_grads, tuple) else (input_grads,)
+        # an op that ignores needs_input_grad (Add: a bias added after a row-parallel sum) still
+        # returns its weights' gradients: W adds them, so B must not
+        input_grads = tuple(None if is_weight else pg for pg, is_weight in zip(input_grads, weights))
 
     def weight_grads():
         ctx.needs_input_grad = weights

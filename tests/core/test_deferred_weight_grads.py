@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 
 from minipar.core.autograd import Tensor, activation_meter
+from minipar.core.module import Parameter
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet
 
 
 def gpt():
-    return GPT(GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=2, d_model=8, dtype="float64"), seed=3)
+    cfg = GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=2, d_model=8, dtype="float64")
+    return GPT(cfg, seed=3)
 
 
 def mlp():
@@ -74,3 +76,23 @@ def test_saved_activations_live_until_w():
     for work in deferred:
         work()
     assert activation_meter.current == before
+
+
+def test_an_op_that_ignores_needs_input_grad_gives_its_weight_gradient_once():
+    # Add returns both gradients whatever it is asked (a bias added after a row-parallel sum): B must
+    # drop the parameter's, or W would count it a second time
+    rng = np.random.default_rng(4)
+    grads = []
+    for split in (False, True):
+        w, b = Parameter((3, 2), ("normal", 1.0)), Parameter((2,), ("normal", 1.0))
+        w.data[...], b.data[...] = rng.standard_normal((3, 2)), rng.standard_normal(2)
+        rng = np.random.default_rng(4)
+        x = Tensor(np.ones((4, 3)), requires_grad=True)
+        loss = ((x @ w + b) * (x @ w + b)).sum()
+        deferred: list = []
+        loss.backward(defer_weight_grads=deferred if split else None)
+        for work in deferred:
+            work()
+        grads.append((w.grad, b.grad, x.grad))
+    for plain, split in zip(*grads):
+        assert np.array_equal(plain, split)
