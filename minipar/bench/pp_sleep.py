@@ -17,7 +17,7 @@ from fractions import Fraction
 import numpy as np
 from mpi4py import MPI
 
-from minipar.core.autograd import Function
+from minipar.core.autograd import Function, Tensor
 from minipar.core.module import Module, Parameter
 from minipar.dist.comm import Comm
 from minipar.parallel.pipeline import PipelineRunner, PipelineStage, bubble_formula
@@ -49,6 +49,8 @@ class SleepUnit(Module):
         self.weight, self.cost, self.unit_s = Parameter((1,)), cost, unit_s
 
     def forward(self, x):
+        if not isinstance(x, Tensor):  # the first stage's input: its B costs as much as the others'
+            x = Tensor(x, requires_grad=True)
         return Sleep.apply(x, self.weight, self.cost, self.unit_s)
 
 
