@@ -280,6 +280,8 @@ class PipelineRunner(Runner):
             "bubble_measured": 1.0 - sum(busy) / (self.stages * makespan),
             "bubble_formula": float(bubble_formula(self.stages, self.microbatches, self.virtual_stages,
                                                    self.split_backward)),
+            "formula": "(K-1)/(3M+K-1)" if self.split_backward else
+                       "(K-1)/(VM+K-1)" if self.virtual_stages > 1 else "(K-1)/(M+K-1)",
         }
 
 
