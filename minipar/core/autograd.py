@@ -91,6 +91,7 @@ class Tensor:
     """An array with an optional gradient and the node that produced it."""
 
     __array_priority__ = 1000  # so `ndarray + Tensor` defers to Tensor.__radd__
+    is_parameter = False  # a model's weight (nn.Parameter says True): what a split backward defers
 
     def __init__(self, data, requires_grad: bool = False):
         self.data = data
@@ -116,8 +117,15 @@ class Tensor:
     def detach(self) -> Tensor:
         return Tensor(self.data)
 
-    def backward(self, grad=None):
-        """Accumulate d(self)/d(leaf) into every leaf's `.grad` that requires grad."""
+    def backward(self, grad=None, defer_weight_grads: list | None = None):
+        """Accumulate d(self)/d(leaf) into every leaf's `.grad` that requires grad.
+
+        With `defer_weight_grads` a list (ZB-H1's split backward), only the gradients that flow on are
+        computed now: an op applied to parameters (Linear, LayerNorm, an embedding) computes its other
+        inputs' gradients, and appends to the list a call that computes its parameters' gradients
+        later (W). A module's full backward hook waits in the same list, after its parameters' calls.
+        Calling the list's entries in order then leaves the same gradients as one plain backward.
+        """
         if grad is None:
             grad = xp_of(self.data).ones_like(self.data)
         grads = {id(self): grad}
@@ -129,18 +137,18 @@ class Tensor:
                 tensor.grad = g if tensor.grad is None else tensor.grad + g
                 continue
             function, ctx, inputs = tensor.node
-            input_grads = function.backward(ctx, g)
-            if not isinstance(input_grads, tuple):
-                input_grads = (input_grads,)
-            ctx.release()
             tensor.node = None  # free the graph as we go, like PyTorch's retain_graph=False
+            if defer_weight_grads is None:
+                input_grads = _run_backward(function, ctx, g)
+            else:
+                input_grads = _backward_deferring_weights(function, ctx, g, inputs, defer_weight_grads)
             for parent, pg in zip(inputs, input_grads):
                 if pg is None or not isinstance(parent, Tensor) or not parent.requires_grad:
                     continue
                 if _output_cast is not None:
                     pg = _output_cast(pg)
                 if parent.node is None:  # a leaf: accumulate now, as PyTorch's AccumulateGrad does, so
-                    parent.grad = pg if parent.grad is None else parent.grad + pg  # later hooks see it
+                    _accumulate(parent, pg)  # later hooks see it
                     continue
                 if id(parent) in grads:  # used by several ops: the gradients add, an op like any other
                     pg = grads[id(parent)] + pg
@@ -218,6 +226,46 @@ def register_tensor_operators(**functions):
     _operators.update(functions)
 
 
+def _accumulate(leaf: Tensor, grad):
+    leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+
+
+def _run_backward(function, ctx, g) -> tuple:
+    """The op's input gradients (a tuple), its saved arrays released."""
+    input_grads = function.backward(ctx, g)
+    ctx.release()
+    return input_grads if isinstance(input_grads, tuple) else (input_grads,)
+
+
+def _backward_deferring_weights(function, ctx, g, inputs, deferred: list) -> tuple:
+    """B of a split backward: the gradients of the op's inputs that are not parameters, now; a call
+    computing the parameters' gradients appended to `deferred` (it keeps the saved arrays until then)."""
+    if function.runs_after_weight_grads:  # an identity whose side effect waits for the weights
+        deferred.append(lambda: function.backward(ctx, g))
+        return (g,)
+    needs = ctx.needs_input_grad
+    weights = tuple(n and isinstance(x, Tensor) and x.is_parameter for n, x in zip(needs, inputs))
+    if not any(weights):
+        return _run_backward(function, ctx, g)
+    ctx.needs_input_grad = tuple(n and not w for n, w in zip(needs, weights))
+    input_grads: tuple = (None,) * len(inputs)
+    if any(ctx.needs_input_grad):  # an embedding has only its weight's gradient: nothing to do now
+        input_grads = function.backward(ctx, g)
+        input_grads = input_grads if isinstance(input_grads, tuple) else (input_grads,)
+        # an op that ignores needs_input_grad (Add: a bias added after a row-parallel sum) still
+        # returns its weights' gradients: W adds them, so B must not
+        input_grads = tuple(None if is_weight else pg for pg, is_weight in zip(input_grads, weights))
+
+    def weight_grads():
+        ctx.needs_input_grad = weights
+        for parent, pg, is_weight in zip(inputs, _run_backward(function, ctx, g), weights):
+            if is_weight and pg is not None:
+                _accumulate(parent, _output_cast(pg) if _output_cast is not None else pg)
+
+    deferred.append(weight_grads)
+    return input_grads
+
+
 def _topological_order(root: Tensor) -> list[Tensor]:
     order, seen, stack = [], set(), [(root, False)]
     while stack:
@@ -276,6 +324,9 @@ class Function:
     free and re-gather them between forward and backward.
     """
 
+    # An identity whose backward has a side effect that needs the weights' gradients (a module's full
+    # backward hook) says True: a split backward passes the gradient through and defers the effect.
+    runs_after_weight_grads = False
     # Each subclass defines both, as static methods: their signatures differ from one Function to the next.
     forward: Callable[..., object]
     backward: Callable[..., object]

@@ -29,6 +29,8 @@ from minipar.core.shards import Shard, shard_of
 class Parameter(Tensor):
     """A leaf tensor that requires grad, with the rule that initialises it and the shard it holds."""
 
+    is_parameter = True
+
     def __init__(self, shape, init=("zeros",), dtype="float64", shard: Shard | None = None):
         super().__init__(current_backend().xp.zeros(shape, dtype=dtype), requires_grad=True)
         self.init = init
@@ -63,6 +65,13 @@ class BackwardHook(Function):
     def backward(ctx, grad):
         ctx.hook()
         return grad, None
+
+
+class FullBackwardHook(BackwardHook):
+    """The hook on a module's input: it fires once the module's backward is done, so a split backward
+    (ZB-H1) holds it back until the weight gradients it waits for exist."""
+
+    runs_after_weight_grads = True
 
 
 class Module:
@@ -119,7 +128,7 @@ class Module:
         """Put the full backward hooks on the first positional Tensor that requires grad."""
         for i, x in enumerate(args):
             if isinstance(x, Tensor) and x.requires_grad:
-                hooked = BackwardHook.apply(x, lambda: self._backward_hooks.call_all(self))
+                hooked = FullBackwardHook.apply(x, lambda: self._backward_hooks.call_all(self))
                 return (*args[:i], hooked, *args[i + 1:])
         return args
 

@@ -4,12 +4,16 @@ The idea: stage s holds a contiguous run of the model's units (embedding, blocks
 else. A forward receives the activation from stage s-1, runs the stage and sends its output to s+1;
 a backward receives the output's gradient from s+1, back-propagates through the stage and sends the
 input's gradient to s-1. The last stage owns the loss. Which micro-batch each rank works on, and in
-what order, is the schedule (naive, GPipe or 1F1B): data from `schedules.py`, run here by one executor.
+what order, is the schedule (naive, GPipe, 1F1B, interleaved, ZB-H1): data from `schedules.py`, run
+here by one executor.
 
 What it saves: each rank holds only its stage's parameters, gradients and optimizer state (about 1/K).
 What it costs: one point-to-point message of a (micro-batch, T, d_model) activation per stage boundary
 and micro-batch in each direction, and the bubble: with M micro-batches a stage idles for a fraction
 (K-1)/(M+K-1) of the step, which `PipelineRunner` measures in wall time during real training.
+The interleaved schedule gives each rank V chunks (`build_stage(..., virtual_stages=V)`): the bubble
+drops to (K-1)/(VM+K-1) for V times the messages; ZB-H1 splits each backward into B (sent on at once)
+and W (the weight gradients, run later by the autograd engine's deferred calls) to fill the drain.
 Lesson: lessons/06_pipeline.md.
 """
 
@@ -28,7 +32,7 @@ from minipar.core import backend
 from minipar.core.autograd import Tensor
 from minipar.core.nn import Module
 from minipar.parallel.api import Runner
-from minipar.parallel.schedules import build_schedule, check_schedule
+from minipar.parallel.schedules import Action, build_schedule, check_schedule, splits_backward
 
 if TYPE_CHECKING:  # only for annotations: the pipeline talks to MPI through Comm
     from mpi4py import MPI
@@ -73,12 +77,18 @@ def partition(costs: list[int], stages: int) -> list[range]:
 
 
 class PipelineStage(Module):
-    """A contiguous run of a model's units, registered under their global names ("blocks.3")."""
+    """A rank's runs of a model's units, registered under their global names ("blocks.3").
 
-    def __init__(self, model, units: range, is_last: bool):
+    One run (`chunks`: one range of units) for a plain pipeline; V runs, chunk c being virtual stage
+    c·K + s, for the interleaved schedule. `forward(x, chunk)` runs one chunk."""
+
+    def __init__(self, model, chunks: list[range], is_last: bool):
         super().__init__()
-        for name, unit in model.units()[units.start:units.stop]:
-            self.add_module(name, unit)
+        units = model.units()
+        self.chunk_units = [[name for name, _ in units[run.start:run.stop]] for run in chunks]
+        for run in chunks:
+            for name, unit in units[run.start:run.stop]:
+                self.add_module(name, unit)
         self.config = model.config
         self.loss = without_units(model).loss  # applied on the last stage only
         self.is_last = is_last
@@ -86,9 +96,9 @@ class PipelineStage(Module):
     def units(self):
         return list(self._children.items())
 
-    def forward(self, x):
-        for _, unit in self.units():
-            x = unit(x)
+    def forward(self, x, chunk: int = 0):
+        for name in self.chunk_units[chunk]:
+            x = self._children[name](x)
         return x
 
 
@@ -105,15 +115,23 @@ def without_units(model):
     return shell
 
 
-def build_stage(model, stages: int, stage: int) -> PipelineStage:
-    """Keep this stage's units of `model` (the others are dropped with it); parameters keep their names."""
-    bounds = partition([unit_cost(unit) for _, unit in model.units()], stages)
-    return PipelineStage(model, bounds[stage], is_last=stage == stages - 1)
+def build_stage(model, stages: int, stage: int, virtual_stages: int = 1) -> PipelineStage:
+    """Keep this stage's units of `model` (the others are dropped with it); parameters keep their names.
+
+    With V virtual stages the units are cut into K·V balanced runs and rank s keeps runs s, K+s, ...
+    (round-robin, Megatron's assignment), so the first and the last run sit on ranks 0 and K-1."""
+    bounds = partition([unit_cost(unit) for _, unit in model.units()], stages * virtual_stages)
+    chunks = [bounds[chunk * stages + stage] for chunk in range(virtual_stages)]
+    return PipelineStage(model, chunks, is_last=stage == stages - 1)
 
 
-def bubble_formula(stages: int, microbatches: int) -> Fraction:
-    """The idle share of a pipeline of equal stages: (K-1)/(M+K-1)."""
-    return Fraction(stages - 1, microbatches + stages - 1)
+def bubble_formula(stages: int, microbatches: int, virtual_stages: int = 1, split_backward: bool = False
+                   ) -> Fraction:
+    """The idle share of a pipeline of equal stages: (K-1)/(M+K-1); with V chunks per rank
+    (K-1)/(VM+K-1); with the backward split (ZB-H1, F = B = W, M >= K) (K-1)/(3M+K-1)."""
+    if split_backward:
+        return Fraction(stages - 1, 3 * microbatches + stages - 1)
+    return Fraction(stages - 1, virtual_stages * microbatches + stages - 1)
 
 
 class PipelineRunner(Runner):
@@ -121,23 +139,30 @@ class PipelineRunner(Runner):
 
     Activations and gradients cross stage boundaries with non-blocking sends and blocking receives:
     a rank never waits on its own sends, so any schedule the simulator can run cannot deadlock here
-    (a blocking send of a large message would: in 1F1B two neighbours may both be sending).
-    `timing()` is the measured busy and idle time of the last step, gathered over stages.
+    (a blocking send of a large message would: in 1F1B two neighbours may both be sending). With V
+    chunks per rank (interleaved), action (i, c) on rank s is virtual stage v = c·K + s: it receives from
+    rank (v-1) mod K and sends to (v+1) mod K, each message tagged by its micro-batch and boundary. With
+    the backward split (ZB-H1), B sends the input gradient on and leaves the weight gradients, and the
+    gradient hooks waiting for them, to W. `timing()` is the measured busy and idle time of the last
+    step, gathered over stages.
     """
 
     def __init__(self, stage: PipelineStage, comm, schedule: str, microbatches: int, width: int, dtype,
-                 sequence_pieces: int = 1):
+                 virtual_stages: int = 1, sequence_pieces: int = 1):
         self.stage, self.comm = stage, comm
         self.stages, self.rank = comm.size, comm.rank
-        schedule_table = build_schedule(schedule, self.stages, microbatches)
+        schedule_table = build_schedule(schedule, self.stages, microbatches, virtual_stages)
         self.microbatches = check_schedule(schedule_table)  # naive runs one, whatever was asked
+        self.virtual_stages = virtual_stages
+        self.split_backward = splits_backward(schedule_table)
         self.actions = schedule_table[self.rank]
         self.width, self.dtype = width, dtype
         self.sequence_pieces = sequence_pieces  # --sp: a stage boundary carries seq_len/tp positions
-        self.in_flight: dict[int, tuple] = {}  # micro-batch -> (stage input, output), until its backward
+        self.in_flight: dict[tuple, tuple] = {}  # (micro-batch, chunk) -> (stage input, output), to B
+        self.deferred: dict[tuple, list] = {}  # (micro-batch, chunk) -> weight-gradient work, B to W
         self.pending_sends: list[MPI.Request] = []  # this step's sends not yet known to be complete
         self.loss_sum = 0.0
-        self.compute_s = {"F": 0.0, "B": 0.0}
+        self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
         self.last_timing: dict = {}
 
     def timing(self) -> dict | None:
@@ -152,49 +177,74 @@ class PipelineRunner(Runner):
     def is_last(self) -> bool:
         return self.rank == self.stages - 1
 
+    def virtual(self, action: Action) -> int:
+        """The virtual stage of `action` on this rank: chunk·K + rank."""
+        return (action.chunk or 0) * self.stages + self.rank
+
+    def tag(self, microbatch: int, boundary: int, backward: bool) -> int:
+        """A message's tag: the boundary between virtual stages `boundary` and `boundary`+1, and the way."""
+        return 2 * (microbatch * self.stages * self.virtual_stages + boundary) + int(backward)
+
     def forward_backward(self, inputs, targets, normaliser: int) -> float:
         """The summed loss of this batch on the last stage (0.0 on the others); grads accumulate."""
         xs = np.array_split(inputs, self.microbatches)
         ys = np.array_split(targets, self.microbatches)
-        self.in_flight, self.pending_sends, self.loss_sum = {}, [], 0.0
-        self.compute_s = {"F": 0.0, "B": 0.0}
+        self.in_flight, self.deferred, self.pending_sends, self.loss_sum = {}, {}, [], 0.0
+        self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
         self.comm.barrier()  # every stage's clock starts together, so the makespan is common
         started = time.perf_counter()
         for action in self.actions:
             if action.op == "F":
-                self.forward(action.microbatch, xs[action.microbatch], ys[action.microbatch], normaliser)
+                self.forward(action, xs[action.microbatch], ys[action.microbatch], normaliser)
+            elif action.op == "B":
+                self.backward(action)
             else:
-                self.backward(action.microbatch)
+                self.weight_gradients(action)
         for request in self.pending_sends:
             request.Wait()
         self.record_timing(time.perf_counter() - started)
         return self.loss_sum
 
-    def forward(self, i: int, x, y, normaliser: int):
-        be = backend.current()
-        if self.is_first:
+    def forward(self, action: Action, x, y, normaliser: int):
+        be, i, v = backend.current(), action.microbatch, self.virtual(action)
+        last = v == self.stages * self.virtual_stages - 1
+        if v == 0:
             stage_input = be.from_host(x)
         else:
-            received = self.comm.recv(self.activation_shape(x), self.dtype, self.rank - 1, tag=2 * i)
+            received = self.comm.recv(self.activation_shape(x), self.dtype, (v - 1) % self.stages,
+                                      tag=self.tag(i, v - 1, backward=False))
             stage_input = Tensor(received, requires_grad=True)
         with self.computing("F"):
-            output = self.stage(stage_input)
-            if self.is_last:
+            output = self.stage(stage_input, chunk=action.chunk or 0)
+            if last:
                 output = self.stage.loss(output, be.from_host(y), normaliser)
                 self.loss_sum += output.item()
-        if not self.is_last:
-            self.send(output.data, self.rank + 1, tag=2 * i)  # tags: 2i forward, 2i+1 backward
-        self.in_flight[i] = (stage_input, output)
+        if not last:
+            self.send(output.data, (v + 1) % self.stages, tag=self.tag(i, v, backward=False))
+        self.in_flight[i, action.chunk] = (stage_input, output)
 
-    def backward(self, i: int):
-        stage_input, output = self.in_flight.pop(i)
+    def backward(self, action: Action):
+        i, v = action.microbatch, self.virtual(action)
+        stage_input, output = self.in_flight.pop((i, action.chunk))
         grad = None
-        if not self.is_last:
-            grad = self.comm.recv(output.shape, self.dtype, self.rank + 1, tag=2 * i + 1)
+        if v != self.stages * self.virtual_stages - 1:
+            grad = self.comm.recv(output.shape, self.dtype, (v + 1) % self.stages,
+                                  tag=self.tag(i, v, backward=True))
         with self.computing("B"):
-            output.backward(grad)
-        if not self.is_first:
-            self.send(stage_input.grad, self.rank - 1, tag=2 * i + 1)
+            if self.split_backward:  # the input gradient now; the weights' gradients wait for W
+                deferred: list = []
+                self.deferred[i, action.chunk] = deferred
+                output.backward(grad, defer_weight_grads=deferred)
+            else:
+                output.backward(grad)
+        if v != 0:
+            self.send(stage_input.grad, (v - 1) % self.stages, tag=self.tag(i, v - 1, backward=True))
+
+    def weight_gradients(self, action: Action):
+        """W: the weight gradients B left, in B's order, each module's backward hooks after its own."""
+        with self.computing("W"):
+            for work in self.deferred.pop((action.microbatch, action.chunk)):
+                work()
 
     def activation_shape(self, x) -> tuple:
         """(*batch axes, width): token ids (B, T) become (B, T, d), or (B, T/tp, d) with --sp;
@@ -218,7 +268,7 @@ class PipelineRunner(Runner):
 
     def record_timing(self, wall_s: float):
         """Gather every stage's compute time; bubble = idle share of stages x makespan (uncharged control)."""
-        mine = (self.compute_s["F"], self.compute_s["B"], wall_s)
+        mine = (self.compute_s["F"], self.compute_s["B"] + self.compute_s["W"], wall_s)
         forward, backward, walls = zip(*self.comm.allgather_obj(mine))
         busy = [f + b for f, b in zip(forward, backward)]
         makespan = max(walls)
@@ -232,5 +282,32 @@ class PipelineRunner(Runner):
             "stage_busy_s": busy,
             "makespan_s": makespan,
             "bubble_measured": 1.0 - sum(busy) / (self.stages * makespan),
-            "bubble_formula": float(bubble_formula(self.stages, self.microbatches)),
+            "bubble_formula": float(bubble_formula(self.stages, self.microbatches, self.virtual_stages,
+                                                   self.split_backward)),
+            "formula": "(K-1)/(3M+K-1)" if self.split_backward else
+                       "(K-1)/(VM+K-1)" if self.virtual_stages > 1 else "(K-1)/(M+K-1)",
         }
+
+
+def config_errors(cfg) -> list[str]:
+    """The checks of --schedule and --virtual-stages, one line each (gathered by trainer/validate.py)."""
+    v, k = cfg.virtual_stages, cfg.pp
+    if v < 1:
+        return [f"--virtual-stages must be a positive integer, got {v}"]
+    errors = []
+    if cfg.schedule == "interleaved" and k > 1:
+        if v < 2:
+            errors.append("--schedule interleaved needs --virtual-stages of at least 2")
+        if cfg.microbatches % k:
+            errors.append(f"--schedule interleaved needs --microbatches {cfg.microbatches} to be a "
+                          f"multiple of --pp {k} (Megatron's order runs rounds of K micro-batches)")
+        if k * v > cfg.n_units():
+            errors.append(f"--pp {k} x --virtual-stages {v} = {k * v} chunks is more than the model's "
+                          f"{cfg.n_units()} blocks; each chunk needs at least one")
+    elif v != 1:
+        errors.append(f"--virtual-stages {v} needs --schedule interleaved and --pp > 1")
+    chunked = cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None
+    if cfg.schedule == "zb-h1" and k > 1 and (cfg.zero == 3 or chunked):
+        errors.append("--schedule zb-h1 runs with --zero 0, 1 or 2 and no offload or chunks: ZeRO-3 "
+                      "would have to gather the parameters again for each W step")
+    return errors

@@ -12,27 +12,42 @@ same bubble as GPipe but starts each backward as early as it can, so a stage hol
 most K micro-batches instead of M. What it costs: one point-to-point send per stage boundary and
 micro-batch in each direction, and the bubble itself.
 
-`simulate` places the per-stage action lists on unit-time slots, each action starting as soon as its
-rank is free and its inputs exist; the bubble fraction and in-flight counts are read off the result,
-never typed in. Lesson 06 (pipeline parallelism) explains it; `python -m minipar schedule` draws it
+Two schedules go further. Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM) gives each rank V
+*chunks* of the model (virtual stage c·K + s on rank s): each chunk's work is 1/V of a stage's, so the
+fill and drain shrink by V and the bubble becomes (K-1)/(V·M + K-1), at the price of V times the
+messages and K + (K-1)/V micro-batches' activations on the first rank. ZB-H1 (Qi et al. 2023, "Zero
+Bubble Pipeline Parallelism") splits the backward into B, the input gradient the previous stage waits
+for, and W, the weight gradient nobody waits for; W steps fill the drain, so with F = B = W = 1 the
+makespan is the lower bound 3M + K - 1 and the bubble (K-1)/(3M + K-1), a third of 1F1B's, holding K
+micro-batches at most, as 1F1B does.
+
+`simulate` places the per-stage action lists on time slots, each action starting as soon as its rank
+is free and its inputs exist; the bubble fraction and in-flight counts are read off the result, never
+typed in. Lesson 06 (pipeline parallelism) explains it; `python -m minipar schedule` draws it
 (minipar/trainer/commands.py: the command; this file: the schedules and the simulator).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+
+OPS = ("F", "B", "W")  # forward, backward (with W: the input gradient only), weight gradient
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a pipeline rank: op "F" (forward) or "B" (backward) of micro-batch `microbatch`."""
+    """One step of a pipeline rank: op "F" (forward), "B" (backward) or "W" (weight gradient) of a
+    micro-batch, through one of the rank's chunks (`chunk`: None when a rank holds one stage)."""
 
     op: str
     microbatch: int
+    chunk: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.op}{self.microbatch}"
+        return f"{self.op}{self.microbatch}" + ("" if self.chunk is None else f".{self.chunk}")
 
 
 # schedule[stage] is that stage's actions in the order its rank executes them.
@@ -74,68 +89,179 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     return schedule
 
 
-SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}
+def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+    """Megatron's interleaved 1F1B: rank s holds chunks c = 0..V-1, virtual stages c·K + s.
+
+    Work goes in rounds of K micro-batches: forward step k of a rank is micro-batch (k // KV)·K + k % K
+    through chunk (k // K) % V; backward step k the same micro-batch through chunk V-1 - (k // K) % V.
+    Rank s runs 2(K-s-1) + (V-1)·K warm-up forwards (enough to keep every chunk below it busy), then
+    one forward and one backward, then drains. M must be a multiple of K (Megatron's requirement).
+    """
+    if virtual_stages < 2:
+        raise ValueError(f"interleaved needs at least 2 virtual stages per rank, got {virtual_stages}")
+    if microbatches % stages:
+        raise ValueError(f"interleaved needs micro-batches M={microbatches} to be a multiple of the "
+                         f"stages K={stages}")
+    total = microbatches * virtual_stages
+
+    def step(k: int, op: str) -> Action:
+        chunk = (k // stages) % virtual_stages
+        microbatch = (k // (stages * virtual_stages)) * stages + k % stages
+        return Action(op, microbatch, chunk if op == "F" else virtual_stages - 1 - chunk)
+
+    schedule = []
+    for stage in range(stages):
+        warmup = min(2 * (stages - stage - 1) + (virtual_stages - 1) * stages, total)
+        actions = [step(k, "F") for k in range(warmup)]
+        for k in range(total - warmup):
+            actions += [step(warmup + k, "F"), step(k, "B")]
+        actions += [step(k, "B") for k in range(total - warmup, total)]
+        schedule.append(actions)
+    return schedule
 
 
-def build_schedule(name: str, stages: int, microbatches: int) -> Schedule:
-    """The per-stage action lists of schedule `name` ("naive", "gpipe" or "1f1b")."""
+def zb_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B's forwards and input-gradient backwards B, with the weight gradients W deferred.
+
+    Stage s runs K-s forwards, then B, F pairs; it lets up to s weight gradients wait (runs W(j) only
+    once s+1 are pending), and runs the waiting ones after its last B: they fill the drain, where
+    1F1B idles. It holds at most K-s + s = K micro-batches from F to W: 1F1B's K on stage 0, more than
+    1F1B's K-s on later stages. With F = B = W = 1 and M >= K the last stage starts at K-1 and never
+    idles again, so the makespan is the lower bound 3M + K - 1 (for M < K: 2(M+K) - 1).
+    """
+    schedule = []
+    for stage in range(stages):
+        actions = [Action("F", i) for i in range(min(stages - stage, microbatches))]
+        forwards, weights = len(actions), 0
+        for backward in range(microbatches):
+            actions.append(Action("B", backward))
+            if backward + 1 - weights > stage:  # more than s weight gradients wait: run the oldest
+                actions.append(Action("W", weights))
+                weights += 1
+            if forwards < microbatches:
+                actions.append(Action("F", forwards))
+                forwards += 1
+        actions += [Action("W", i) for i in range(weights, microbatches)]
+        schedule.append(actions)
+    return schedule
+
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
+
+
+def build_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The per-stage action lists of schedule `name` (one of SCHEDULES; V > 1 only for interleaved)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
     if stages < 1 or microbatches < 1:
         raise ValueError(f"need at least 1 stage and 1 micro-batch, got {stages} and {microbatches}")
+    if name == "interleaved":
+        return interleaved(stages, microbatches, virtual_stages)
+    if virtual_stages != 1:
+        raise ValueError(f"{virtual_stages} virtual stages need the interleaved schedule, not {name}")
     return SCHEDULES[name](stages, microbatches)
 
 
-def dependencies(stage: int, action: Action, stages: int) -> list[tuple[int, Action]]:
+def virtual_stages_of(schedule: Schedule) -> int:
+    """V: how many chunks each rank holds (1 for a schedule without chunks)."""
+    chunks = {action.chunk for actions in schedule for action in actions}
+    return 1 if chunks == {None} else len(chunks)
+
+
+def splits_backward(schedule: Schedule) -> bool:
+    """Whether B is the input gradient only, with the weight gradient a separate W step (ZB-H1)."""
+    return any(action.op == "W" for actions in schedule for action in actions)
+
+
+def _action_at(op: str, microbatch: int, virtual: int, stages: int, chunks: int) -> tuple[int, Action]:
+    """(rank, action) of virtual stage `virtual` (= chunk·K + rank)."""
+    return virtual % stages, Action(op, microbatch, None if chunks == 1 else virtual // stages)
+
+
+def dependencies(stage: int, action: Action, stages: int,
+                 virtual_stages: int = 1) -> list[tuple[int, Action]]:
     """The (stage, action) pairs that must finish before `action` can start on `stage`.
 
-    A pair on another stage is a message the executor receives: activations from stage-1 for a forward,
-    the gradient from stage+1 for a backward. A backward also needs its own stage's forward (the saved
-    activations), which is what starts the backward on the last stage.
+    A pair on another stage is a message the executor receives: activations from the virtual stage
+    before for a forward, the gradient from the one after for a backward (with V chunks, virtual stage
+    c·K + s follows c·K + s - 1, and chunk c+1 on rank 0 follows chunk c on rank K-1). A backward also
+    needs its own forward (the saved activations), which is what starts it on the last virtual stage;
+    a weight gradient W needs its own B (the output's gradient, which B received).
     """
+    virtual = (action.chunk or 0) * stages + stage
+    own_forward = (stage, Action("F", action.microbatch, action.chunk))
+    if action.op == "W":
+        return [(stage, Action("B", action.microbatch, action.chunk))]
     if action.op == "F":
-        return [(stage - 1, action)] if stage > 0 else []
-    own_forward = (stage, Action("F", action.microbatch))
-    if stage == stages - 1:
+        if virtual == 0:
+            return []
+        return [_action_at("F", action.microbatch, virtual - 1, stages, virtual_stages)]
+    if virtual == stages * virtual_stages - 1:
         return [own_forward]
-    return [own_forward, (stage + 1, action)]
+    return [own_forward, _action_at("B", action.microbatch, virtual + 1, stages, virtual_stages)]
 
 
 def check_schedule(schedule: Schedule) -> int:
-    """Check every stage runs F(i) and B(i) exactly once for the same micro-batches; return their count."""
+    """Check every stage runs each op (F, B, and W if any stage has one) once per micro-batch and
+    chunk; return the number of micro-batches."""
     if not schedule:
         raise ValueError("a schedule needs at least one stage")
-    microbatches = len(schedule[0]) // 2
-    expected = sorted((op, i) for op in "BF" for i in range(microbatches))
+    chunks = sorted({action.chunk for actions in schedule for action in actions}, key=lambda c: c or 0)
+    ops = "FBW" if splits_backward(schedule) else "FB"
+    microbatches = len(schedule[0]) // (len(ops) * len(chunks))
+    expected = sorted((op, i, c or 0) for op in ops for i in range(microbatches) for c in chunks)
     for stage, actions in enumerate(schedule):
-        if sorted((a.op, a.microbatch) for a in actions) != expected:
-            raise ValueError(f"stage {stage} must run F and B of micro-batches 0..{microbatches - 1} once")
+        if sorted((a.op, a.microbatch, a.chunk or 0) for a in actions) != expected:
+            raise ValueError(f"stage {stage} must run {', '.join(ops)} of micro-batches "
+                             f"0..{microbatches - 1} once" + (" per chunk" if len(chunks) > 1 else ""))
     return microbatches
 
 
 @dataclass(frozen=True)
 class Timeline:
-    """A schedule placed on time slots: grid[stage][slot] is the action busy there, or None when idle."""
+    """A schedule placed on time slots: grid[stage][slot] is the action busy there, or None when idle.
+
+    Every slot lasts `slot` time units (1 unless a cost is fractional or chunks split a stage's
+    work); `start` gives the slot where each action begins."""
 
     grid: list[list[Action | None]]
     start: dict[tuple[int, Action], int]
+    slot: Fraction = Fraction(1)
 
     @property
-    def makespan(self) -> int:
-        return len(self.grid[0])
+    def makespan(self) -> Fraction:
+        """The step's duration in time units."""
+        return len(self.grid[0]) * self.slot
 
 
-def simulate(schedule: Schedule, forward_cost: int = 1, backward_cost: int = 1) -> Timeline:
+def _slot_of(costs: list[Fraction]) -> Fraction:
+    """The longest slot that divides every cost: the gcd of fractions over their common denominator."""
+    denominator = math.lcm(*(c.denominator for c in costs))
+    return Fraction(math.gcd(*(int(c * denominator) for c in costs)), denominator)
+
+
+def action_costs(forward_cost=1, backward_cost=1, weight_cost=1, virtual_stages: int = 1) -> dict:
+    """Time units of one action per op: a chunk's action costs a stage's divided by V."""
+    costs = {"F": Fraction(forward_cost), "B": Fraction(backward_cost), "W": Fraction(weight_cost)}
+    if any(cost <= 0 for cost in costs.values()):
+        raise ValueError("forward, backward and weight costs must be positive")
+    return {op: cost / virtual_stages for op, cost in costs.items()}
+
+
+def simulate(schedule: Schedule, forward_cost=1, backward_cost=1, weight_cost=1) -> Timeline:
     """Run each stage's actions in order, each as early as its rank is free and its inputs are ready.
 
-    This is what ranks executing the lists with blocking receives do, if compute takes `forward_cost`
-    and `backward_cost` time units and messages take no time. A schedule whose ranks would wait on each
-    other forever raises ValueError.
+    This is what ranks executing the lists with blocking receives do, if compute takes `forward_cost`,
+    `backward_cost` and (for a split backward) `weight_cost` time units per stage (a chunk's share
+    with V chunks), and messages take no time. Costs may be fractions. A schedule whose ranks would
+    wait on each other forever raises ValueError.
     """
-    if forward_cost < 1 or backward_cost < 1:
-        raise ValueError("forward and backward costs must be at least 1 time unit")
     check_schedule(schedule)
-    cost = {"F": forward_cost, "B": backward_cost}
+    chunks = virtual_stages_of(schedule)
+    costs = action_costs(forward_cost, backward_cost, weight_cost, chunks)
+    slot = _slot_of(list(costs.values()))
+    cost = {op: int(c / slot) for op, c in costs.items()}  # in slots: the simulation is integer
     stages = len(schedule)
     start: dict[tuple[int, Action], int] = {}
     finish: dict[tuple[int, Action], int] = {}
@@ -146,7 +272,7 @@ def simulate(schedule: Schedule, forward_cost: int = 1, backward_cost: int = 1) 
         for stage, actions in enumerate(schedule):
             while position[stage] < len(actions):
                 action = actions[position[stage]]
-                inputs = dependencies(stage, action, stages)
+                inputs = dependencies(stage, action, stages, chunks)
                 if any(key not in finish for key in inputs):
                     break  # this rank blocks on a receive until another stage gets further
                 begin = max([rank_free_at[stage]] + [finish[key] for key in inputs])
@@ -163,33 +289,43 @@ def simulate(schedule: Schedule, forward_cost: int = 1, backward_cost: int = 1) 
             raise ValueError(f"schedule deadlocks: {waiting}")
     grid: list[list[Action | None]] = [[None] * max(rank_free_at) for _ in range(stages)]
     for (stage, action), begin in start.items():
-        for slot in range(begin, begin + cost[action.op]):
-            grid[stage][slot] = action
-    return Timeline(grid=grid, start=start)
+        for cell in range(begin, begin + cost[action.op]):
+            grid[stage][cell] = action
+    return Timeline(grid=grid, start=start, slot=slot)
 
 
 def bubble_fraction(timeline: Timeline) -> Fraction:
     """Idle slots over all slots (stages x makespan): the share of the machine the pipeline wastes."""
     idle = sum(cell is None for row in timeline.grid for cell in row)
-    return Fraction(idle, len(timeline.grid) * timeline.makespan)
+    return Fraction(idle, len(timeline.grid) * len(timeline.grid[0]))
 
 
 def peak_inflight(schedule: Schedule) -> list[int]:
-    """Per stage, the most micro-batches whose forward has run and backward has not: activations held."""
+    """Per stage, the most (micro-batch, chunk) pairs whose activations are held: from F to the end of
+    their backward (to W when the backward is split, since W still reads them)."""
+    last = "W" if splits_backward(schedule) else "B"
     peaks = []
     for actions in schedule:
         inflight = peak = 0
         for action in actions:
-            inflight += 1 if action.op == "F" else -1
+            inflight += 1 if action.op == "F" else -1 if action.op == last else 0
             peak = max(peak, inflight)
         peaks.append(peak)
     return peaks
 
 
-def render(timeline: Timeline) -> str:
-    """An ASCII timeline like the GPipe paper's figure: last stage on top, one column per time unit.
+def p2p_messages(schedule: Schedule) -> int:
+    """Point-to-point messages of one step: every input an action receives from another rank."""
+    chunks = virtual_stages_of(schedule)
+    return sum(other != stage for stage, actions in enumerate(schedule) for action in actions
+               for other, _ in dependencies(stage, action, len(schedule), chunks))
 
-    A backward that takes 2 time units fills two columns with its label; '.' marks an idle slot.
+
+def render(timeline: Timeline) -> str:
+    """An ASCII timeline like the GPipe paper's figure: last stage on top, one column per slot.
+
+    A backward that takes 2 slots fills two columns with its label; '.' marks an idle slot; "F3.1"
+    is micro-batch 3 through chunk 1, and W3 is micro-batch 3's weight gradient.
     """
     width = max(len(str(cell)) for row in timeline.grid for cell in row if cell is not None)
     label_width = len(str(len(timeline.grid) - 1))

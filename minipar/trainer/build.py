@@ -57,7 +57,7 @@ def build_model(cfg, grid):
     else:
         model = MLPNet(mcfg, seed=None, recompute=cfg.recompute)
     if cfg.pp > 1:  # keep this stage's units only, under their global names
-        model = pipeline.build_stage(model, grid.pp.size, grid.pp_rank)
+        model = pipeline.build_stage(model, grid.pp.size, grid.pp_rank, cfg.virtual_stages)
     if cfg.fused:
         fused_training.use_fused_gelu(model)
     return model.init_parameters(cfg.seed)
@@ -81,7 +81,8 @@ def build_runner(cfg, grid, model):
     on this rank's positions of the sequence with --cp."""
     if cfg.pp > 1:
         runner = pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model,
-                                         cfg.dtype, sequence_pieces=cfg.tp if cfg.sp else 1)
+                                         cfg.dtype, cfg.virtual_stages,
+                                         sequence_pieces=cfg.tp if cfg.sp else 1)
     else:
         runner = MicrobatchRunner(model, cfg.microbatches)
     if cfg.cp > 1:

@@ -126,18 +126,44 @@ def plan_main(argv: list[str]) -> int:
 # ---- minipar schedule --------------------------------------------------------------------------------
 
 
+def _time_units(text: str) -> Fraction:
+    """A cost in time units: a positive integer, decimal or fraction ("2", "1.5", "3/2")."""
+    try:
+        value = Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"invalid number of time units: {text!r}") from None
+    if value <= 0 or value.denominator > 100:
+        raise argparse.ArgumentTypeError(f"must be positive with a denominator of at most 100, got {text}")
+    return value
+
+
 def _parse_schedule(argv: list[str]) -> argparse.Namespace:
     parser = OneLineParser(prog="minipar schedule", description="Draw a pipeline schedule.")
     parser.add_argument("--stages", type=int, required=True, help="pipeline stages K (ranks)")
     parser.add_argument("--microbatches", type=int, required=True, help="micro-batches M per batch")
     parser.add_argument("--schedule", choices=list(schedules.SCHEDULES), required=True)
-    parser.add_argument("--backward-cost", type=int, default=1, help="time units of a backward (forward: 1)")
+    parser.add_argument("--virtual-stages", type=int, default=1,
+                        help="chunks V per rank (interleaved only; at least 2 there)")
+    parser.add_argument("--backward-cost", type=_time_units, default=Fraction(1),
+                        help="time units of a stage's backward (zb-h1: of B, the input gradient); forward: 1")
+    parser.add_argument("--weight-cost", type=_time_units, default=None,
+                        help="time units of a stage's weight gradient W (zb-h1 only; default 1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the chart")
     args = parser.parse_args(argv)
-    for name in ("stages", "microbatches", "backward_cost"):
+    for name in ("stages", "microbatches", "virtual_stages"):
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             parser.error(f"{flag} must be at least 1, got {getattr(args, name)}")
+    if args.weight_cost is not None and args.schedule != "zb-h1":
+        parser.error(f"--weight-cost needs --schedule zb-h1 (the {args.schedule} backward is one step)")
+    if args.schedule == "interleaved" and args.virtual_stages < 2:
+        parser.error("--schedule interleaved needs --virtual-stages of at least 2")
+    if args.schedule != "interleaved" and args.virtual_stages != 1:
+        parser.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved")
+    if args.schedule == "interleaved" and args.microbatches % args.stages:
+        parser.error(f"--schedule interleaved needs --microbatches {args.microbatches} to be a "
+                     f"multiple of --stages {args.stages}")
+    args.weight_cost = Fraction(1) if args.weight_cost is None else args.weight_cost
     return args
 
 
@@ -147,30 +173,45 @@ def schedule_main(argv: list[str]) -> int:
         args = _parse_schedule(argv)
     except SystemExit as exit_request:  # a one-line usage error (2), or --help (0)
         return int(exit_request.code or 0)
-    schedule = schedules.build_schedule(args.schedule, args.stages, args.microbatches)
-    timeline = schedules.simulate(schedule, backward_cost=args.backward_cost)
+    schedule = schedules.build_schedule(args.schedule, args.stages, args.microbatches, args.virtual_stages)
+    timeline = schedules.simulate(schedule, backward_cost=args.backward_cost, weight_cost=args.weight_cost)
     bubble = schedules.bubble_fraction(timeline)
     peaks = schedules.peak_inflight(schedule)
     microbatches = schedules.check_schedule(schedule)  # naive runs 1, whatever was asked
+    split = schedules.splits_backward(schedule)
     if args.json:
-        print(json.dumps({
+        report = {
             "schedule": args.schedule,
             "stages": args.stages,
             "microbatches": microbatches,
+            "virtual_stages": args.virtual_stages,
             "forward_cost": 1,
-            "backward_cost": args.backward_cost,
-            "makespan": timeline.makespan,
+            "backward_cost": _json_number(args.backward_cost),
+            **({"weight_cost": _json_number(args.weight_cost)} if split else {}),
+            "makespan": _json_number(timeline.makespan),
+            "slot": _json_number(timeline.slot),
             "bubble_fraction": float(bubble),
             "bubble_fraction_exact": str(bubble),
             "peak_inflight": peaks,
+            "p2p_messages": schedules.p2p_messages(schedule),
             "timeline": [[None if cell is None else str(cell) for cell in row] for row in timeline.grid],
-        }))
+        }
+        print(json.dumps(report))
         return 0
-    print(f"{args.schedule} schedule: stages K={args.stages}, micro-batches M={microbatches}, "
-          f"forward 1 time unit, backward {args.backward_cost}")
+    costs = f"forward 1 time unit, backward {args.backward_cost}"
+    if split:
+        costs = (f"forward 1 time unit, input gradient B {args.backward_cost}, "
+                 f"weight gradient W {args.weight_cost}")
+    chunks = f", chunks per rank V={args.virtual_stages}" if args.virtual_stages > 1 else ""
+    print(f"{args.schedule} schedule: stages K={args.stages}, micro-batches M={microbatches}{chunks}, "
+          f"{costs}")
     if args.schedule == "naive":
         print("(naive runs the whole batch as one micro-batch; --microbatches is ignored)")
+    if timeline.slot != 1:
+        print(f"(one column = {timeline.slot} time unit)")
     print(schedules.render(timeline))
     print(f"bubble fraction: {bubble} = {float(bubble):.3f} (idle slots / all slots)")
-    print("peak in-flight micro-batches: " + ", ".join(f"stage {s}: {p}" for s, p in enumerate(peaks)))
+    what = "(micro-batch, chunk) pairs" if args.virtual_stages > 1 else "micro-batches"
+    print(f"peak in-flight {what}: " + ", ".join(f"stage {s}: {p}" for s, p in enumerate(peaks)))
+    print(f"point-to-point messages per step: {schedules.p2p_messages(schedule)}")
     return 0

@@ -60,6 +60,8 @@ class TrainConfig:
     microbatches: int = option(1, "micro-batches per replica's batch (gradients accumulate over them)",
                                single_process=1)
     schedule: str = option("1f1b", "pipeline schedule (with --pp > 1)", SCHEDULES)
+    virtual_stages: int = option(1, "model chunks per pipeline rank (--schedule interleaved: at least 2)",
+                                 single_process=1)
     precision: str = option("fp32", "number format of the arithmetic (bf16, fp16: mixed precision)",
                             PRECISIONS)
     loss_scaling: bool = option(True, "fp16: a dynamic loss scaler (precision/mixed.py); False trains "

@@ -57,7 +57,7 @@ def pipeline_line(records: list[dict]) -> list[str]:
     measured = np.median([t.get("bubble_measured", np.nan) for t in timings])
     formula = timings[-1].get("bubble_formula", float("nan"))
     return [f"pipeline bubble: measured {measured:.3f} (median over steps), "
-            f"formula (K-1)/(M+K-1) = {formula:.3f}"]
+            f"formula {timings[-1].get('formula', '(K-1)/(M+K-1)')} = {formula:.3f}"]
 
 
 def zero_stage(cfg) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend, recompute
-from minipar.parallel import context, sequence, tensor, zero_chunked
+from minipar.parallel import context, pipeline, sequence, tensor, zero_chunked
 from minipar.precision import mixed
 from minipar.trainer.build import build_model, build_optimizer, model_config
 from minipar.trainer.config import TrainConfig
@@ -80,7 +80,7 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.model == "gpt" and cfg.d_model % cfg.n_head:
         errors.append(f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}")
     errors += (tensor.config_errors(cfg) + recompute.config_errors(cfg) + sequence.config_errors(cfg)
-               + context.config_errors(cfg))
+               + context.config_errors(cfg) + pipeline.config_errors(cfg))
     if cfg.pp > cfg.n_units():
         blocks = f"{cfg.n_layer} layers"
         if cfg.model == "gpt":

@@ -32,7 +32,8 @@ FLAGS = {
     "--zero": (0, (0, 1, 2, 3), int),
     "--sp": (False, None, SWITCH),
     "--microbatches": (1, None, int),
-    "--schedule": ("1f1b", ("naive", "gpipe", "1f1b"), str),
+    "--schedule": ("1f1b", ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"), str),
+    "--virtual-stages": (1, None, int),
     "--precision": ("fp32", ("fp64", "fp32", "bf16", "fp16"), str),
     "--offload": ("none", ("none", "cpu", "disk"), str),
     "--device-mem-mb": (None, None, budget_mb),  # MiB, or auto
@@ -157,7 +158,8 @@ def test_bad_flags_exit_2_with_one_line(argv, names, capsys):
 
 @pytest.mark.parametrize("changes, message", [
     ({"zero": 4}, "--zero must be 0, 1, 2 or 3, got 4"),
-    ({"schedule": "zigzag"}, "--schedule must be one of naive, gpipe, 1f1b, got 'zigzag'"),
+    ({"schedule": "zigzag"},
+     "--schedule must be one of naive, gpipe, 1f1b, interleaved, zb-h1, got 'zigzag'"),
     ({"offload": "gpu"}, "--offload must be one of none, cpu, disk, got 'gpu'"),
     ({"optimizer": "adam"}, "--optimizer must be one of adamw, sgd, got 'adam'"),
     ({"eviction": "fifo"}, "--eviction must be one of lru, opt, got 'fifo'"),
@@ -172,7 +174,7 @@ def test_validate_refuses_what_the_parser_would(changes, message):
 def test_every_choice_is_one_its_technique_runs():
     choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(TrainConfig)}
     for name in choices["schedule"]:
-        build_schedule(name, 2, 2)
+        build_schedule(name, 2, 2, 2 if name == "interleaved" else 1)  # interleaved: V >= 2 chunks
     for name in choices["precision"]:
         Precision.from_name(name)
     for name in choices["backend"]:

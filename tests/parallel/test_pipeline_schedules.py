@@ -1,0 +1,118 @@
+"""Interleaved 1F1B and ZB-H1 run by the executor train to the single-process losses and weights.
+
+    mpiexec -n K python -m pytest -m mpi tests/parallel/test_pipeline_schedules.py   # K = 2, 4, 8
+
+Alone on K pipeline ranks (groups of K neighbouring ranks, each a whole job), and inside 3D layouts
+with data parallelism (DDP, ZeRO-1, ZeRO-2: their gradients must wait for W) and tensor parallelism.
+The ledger's messages are checked against the count written by hand: with V chunks rank s sends one
+activation forward from each chunk but the very last, and one gradient back from each but the first.
+"""
+
+import mpi_harness
+import pytest
+from hypothesis import strategies as st
+from mpi4py import MPI
+from mpi_harness import mpi_given, needs_world_size
+
+from minipar.bench.layouts import factorisations
+from minipar.core.nn import MLPConfig, MLPNet
+from minipar.parallel.pipeline import build_stage
+from minipar.trainer.config import TrainConfig
+from minipar.trainer.loop import Trainer, compare_with_reference
+from minipar.trainer.validate import validate
+
+WORLD = MPI.COMM_WORLD
+PIPELINE_SIZES = [k for k in (2, 4) if mpi_harness.WORLD.size % k == 0]
+
+
+def schedule_config(stages, schedule, virtual, rounds, model, seed, **changes):
+    """K·V chunks need that many units: a GPT has n_layer + 2, an MLP n_layer."""
+    chunks = stages * virtual
+    microbatches = rounds * stages
+    cfg = TrainConfig(model=model, dp=1, pp=stages, microbatches=microbatches, schedule=schedule,
+                      virtual_stages=virtual, precision="fp64", steps=2, batch_size=microbatches,
+                      seq_len=6, n_layer=max(2, chunks - 2) if model == "gpt" else max(2, chunks),
+                      n_head=2, d_model=8, seed=seed, quiet=True)
+    return cfg.replace(**changes)
+
+
+def run_in_groups(cfg):
+    size = cfg.dp * cfg.tp * cfg.pp
+    group = WORLD.Split(WORLD.rank // size, WORLD.rank)
+    try:
+        assert validate(cfg, size) == []
+        trainer = Trainer(cfg, group)
+        records = trainer.run()
+        full = trainer.full_state()
+        if group.rank == 0:
+            check = compare_with_reference(cfg, records, full)
+            assert check["max_rel_loss_deviation"] <= 1e-9, check
+            assert check["max_rel_weight_deviation"] <= 1e-9, check
+        return trainer, records
+    finally:
+        group.Free()
+
+
+@needs_world_size(2, 4, 8)
+@mpi_given(max_examples=4, stages=st.sampled_from(PIPELINE_SIZES),
+           schedule=st.sampled_from(["interleaved", "zb-h1"]), virtual=st.sampled_from([2, 3]),
+           rounds=st.integers(1, 2), model=st.sampled_from(["gpt", "mlp"]), seed=st.integers(0, 2**16))
+def test_schedules_train_to_the_single_process_result(stages, schedule, virtual, rounds, model, seed):
+    virtual = virtual if schedule == "interleaved" else 1
+    cfg = schedule_config(stages, schedule, virtual, rounds, model, seed)
+    trainer, records = run_in_groups(cfg)
+    s, m = trainer.grid.pp_rank, cfg.microbatches
+    sends = m * (2 * virtual - (s == 0) - (s == stages - 1))
+    assert records[-1]["comm"]["messages"] == sends
+    boundary_bytes = cfg.d_model * 8 * (cfg.seq_len if model == "gpt" else 1)  # one sequence a micro-batch
+    assert records[-1]["comm"]["by_dim"]["pp"] == sends * boundary_bytes
+    timing = records[-1]["pipeline"]
+    expected = (stages - 1) / (3 * m + stages - 1) if schedule == "zb-h1" else \
+        (stages - 1) / (virtual * m + stages - 1)
+    assert timing["bubble_formula"] == pytest.approx(expected)
+
+
+LAYOUTS = [(dp, pp, tp) for dp, pp, tp in factorisations(WORLD.size) if pp > 1 and dp * tp > 1]
+
+
+@needs_world_size(4, 8)
+@pytest.mark.parametrize("schedule, zero", [("interleaved", 1), ("zb-h1", 1), ("zb-h1", 2)])
+@mpi_given(max_examples=2, layout=st.sampled_from(LAYOUTS or [(2, 2, 1)]), seed=st.integers(0, 2**16))
+def test_schedules_inside_3d_layouts(schedule, zero, layout, seed):
+    dp, pp, tp = layout
+    virtual = 2 if schedule == "interleaved" else 1
+    if dp == 1:  # no data parallelism to shard over: ZeRO has nothing to do, tensor parallelism does
+        zero = 0
+    cfg = schedule_config(pp, schedule, virtual, 1, "gpt", seed, dp=dp, tp=tp, zero=zero, n_head=2 * tp,
+                          batch_size=2 * pp * dp)
+    _, records = run_in_groups(cfg)
+    if zero == 2 and schedule == "zb-h1":
+        # ZeRO-2's hook must fire after W: fired after B it would send empty gradients, and the step
+        # would send the real ones again (same numbers, but twice the traffic and no memory saved)
+        _, plain = run_in_groups(cfg.replace(schedule="1f1b"))
+        assert records[-1]["comm"]["by_dim_op"]["dp"] == plain[-1]["comm"]["by_dim_op"]["dp"]
+
+
+def test_interleaved_stage_holds_its_round_robin_chunks():
+    model = MLPNet(MLPConfig(d_hidden=8, n_layer=6), seed=None)  # 6 equal units, 3 chunks on 2 ranks
+    names = [build_stage(MLPNet(MLPConfig(d_hidden=8, n_layer=6), seed=None), 2, s, 3).chunk_units
+             for s in range(2)]
+    assert names == [[["layers.0"], ["layers.2"], ["layers.4"]], [["layers.1"], ["layers.3"], ["layers.5"]]]
+    assert len(model.units()) == 6
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"schedule": "interleaved", "pp": 2, "microbatches": 2},
+     "--schedule interleaved needs --virtual-stages"),
+    ({"schedule": "interleaved", "pp": 2, "virtual_stages": 2, "microbatches": 3, "batch_size": 6},
+     "--schedule interleaved needs --microbatches 3 to be a multiple of --pp 2"),
+    ({"schedule": "interleaved", "pp": 2, "virtual_stages": 4, "microbatches": 2, "n_layer": 4},
+     "--pp 2 x --virtual-stages 4 = 8 chunks is more than the model's 6 blocks"),
+    ({"schedule": "1f1b", "pp": 2, "virtual_stages": 2}, "--virtual-stages 2 needs --schedule interleaved"),
+    ({"virtual_stages": 0}, "--virtual-stages must be a positive integer"),
+    ({"schedule": "zb-h1", "pp": 2, "dp": 2, "zero": 3}, "--schedule zb-h1 runs with --zero 0, 1 or 2"),
+])
+def test_validate_names_the_schedule_mistake(changes, message):
+    cfg = TrainConfig(**changes)
+    errors = validate(cfg, cfg.resolved(cfg.pp * (cfg.dp or 1)).dp * cfg.pp)
+    assert len(errors) == 1 and errors[0].startswith(message), errors
