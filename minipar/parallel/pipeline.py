@@ -310,4 +310,7 @@ def config_errors(cfg) -> list[str]:
     if cfg.schedule == "zb-h1" and k > 1 and (cfg.zero == 3 or chunked):
         errors.append("--schedule zb-h1 runs with --zero 0, 1 or 2 and no offload or chunks: ZeRO-3 "
                       "would have to gather the parameters again for each W step")
+    if cfg.schedule == "zb-h1" and k > 1 and cfg.recompute == "full":
+        errors.append("--schedule zb-h1 with --recompute full: a recomputed block's backward runs as one "
+                      "operation, so its weight gradients cannot wait for W; use --recompute selective or none")
     return errors

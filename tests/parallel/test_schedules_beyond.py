@@ -224,3 +224,16 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith("minipar schedule: error: ")
     assert captured.err.count("\n") == 1 and message in captured.err
+
+
+def test_zb_h1_with_full_recomputation_is_refused_in_one_line():
+    # Found when the branches met: a fully recomputed block is one operation in backward, so B would
+    # compute its weight gradients too and W would add them again (weights off by a relative 7e-2).
+    from minipar.trainer.config import TrainConfig
+    from minipar.trainer.validate import validate
+
+    cfg = TrainConfig(pp=2, microbatches=4, schedule="zb-h1", recompute="full")
+    assert validate(cfg, world_size=2) == [
+        "--schedule zb-h1 with --recompute full: a recomputed block's backward runs as one operation, so "
+        "its weight gradients cannot wait for W; use --recompute selective or none"]
+    assert validate(cfg.replace(recompute="selective"), world_size=2) == []
