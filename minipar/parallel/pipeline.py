@@ -312,5 +312,6 @@ def config_errors(cfg) -> list[str]:
                       "would have to gather the parameters again for each W step")
     if cfg.schedule == "zb-h1" and k > 1 and cfg.recompute == "full":
         errors.append("--schedule zb-h1 with --recompute full: a recomputed block's backward runs as one "
-                      "operation, so its weight gradients cannot wait for W; use --recompute selective or none")
+                      "operation, so its weight gradients cannot wait for W; use --recompute selective "
+                      "or none")
     return errors
