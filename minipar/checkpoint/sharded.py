@@ -38,16 +38,21 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 
+from minipar.core import optim
+from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet
 from minipar.dist.comm import inject_fault
 from minipar.parallel.logical_state import Piece, assemble
 
 FORMAT = "minipar-checkpoint-1"
 MANIFEST = "manifest.json"
+FOLDER = re.compile(r"step-\d{6}(\.\d+)?")  # the folders save() makes ...
+SHARD_FILE = re.compile(r"rank\d{5}\.npz(\.tmp)?")  # ... and the only files it puts in them
 
 
 class CheckpointError(ValueError):
@@ -83,7 +88,8 @@ def new_folder(directory: Path, step: int) -> str:
     """A fresh folder for this save's files, never the one the current manifest names."""
     current = committed_folder(directory)
     name, n = f"step-{step:06d}", 0
-    while name == current:
+    # never the committed folder, nor a folder of the user's that happens to have the name
+    while name == current or ((directory / name).exists() and not written_by_save(directory / name)):
         n += 1
         name = f"step-{step:06d}.{n}"
     shutil.rmtree(directory / name, ignore_errors=True)  # left behind by a save that crashed
@@ -154,17 +160,32 @@ def build_manifest(engine, step: int, folder: str, files: list) -> dict:
     }
 
 
+def manifest_digest(manifest: dict) -> str:
+    """SHA-256 of the manifest's content (every key but the digest, as sorted JSON): an edited or
+    damaged manifest that still parses is refused like a damaged shard file."""
+    content = {key: value for key, value in manifest.items() if key != "sha256"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
 def manifest_text(manifest: dict) -> str:
-    """The manifest as JSON that a reader can scan: one line per logical tensor."""
+    """The manifest as JSON that a reader can scan: one line per logical tensor; its digest last."""
+    manifest = {**manifest, "sha256": manifest_digest(manifest)}
     tensors = ",\n".join(f"  {json.dumps(name)}: {json.dumps(tensor)}"
                           for name, tensor in manifest["tensors"].items())
     text = json.dumps({**manifest, "tensors": None}, indent=1)
     return text.replace('"tensors": null', '"tensors": {\n' + tensors + "\n }") + "\n"
 
 
+def written_by_save(path: Path) -> bool:
+    """A folder save() made: its name and every file in it are save()'s own (the user's `step-notes/`,
+    or a step-000002/ holding anything else, is not ours to delete)."""
+    return (path.is_dir() and not path.is_symlink() and FOLDER.fullmatch(path.name) is not None
+            and all(entry.is_file() and SHARD_FILE.fullmatch(entry.name) for entry in path.iterdir()))
+
+
 def remove_old_folders(directory: Path, keep: str) -> None:
-    for path in directory.glob("step-*"):
-        if path.is_dir() and path.name != keep:
+    for path in directory.iterdir():
+        if path.name != keep and written_by_save(path):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -207,18 +228,94 @@ def read_manifest(directory, cfg, model_config) -> dict:
 
 
 def check_against(manifest: dict, directory: Path, identity: dict, cfg, where: str) -> None:
+    if manifest["sha256"] != manifest_digest(manifest):
+        raise CheckpointError(f"{where}: {MANIFEST} was altered: its SHA-256 differs from the one it records")
+    for key in ("step", "seed"):
+        if not is_count(manifest[key]):
+            raise CheckpointError(f"{where}: {MANIFEST} is malformed ({key} {manifest[key]!r} is not a "
+                                  "non-negative integer)")
     for file, expected in manifest["files"].items():
+        if not re.fullmatch(re.escape(str(manifest["folder"])) + r"/rank\d{5}\.npz", file):
+            raise CheckpointError(f"{where}: {MANIFEST} lists {file!r}, not a file of its folder")
         check_file(directory / file, expected, f"{where}: {file}")
     differences = [f"{key} {manifest['model'].get(key)!r} there, {value!r} here"
                    for key, value in identity.items() if manifest["model"].get(key) != value]
     if differences:
         raise CheckpointError(f"{where}: a checkpoint of another model ({', '.join(differences)})")
+    check_tensors(manifest, expected_tensors(cfg.optimizer, cfg.momentum, cfg.model, identity), where)
     if manifest["seed"] != cfg.seed:
         raise CheckpointError(f"{where}: saved with --seed {manifest['seed']}, and the data position "
                               f"is (seed, step): resume with --seed {manifest['seed']}")
     if manifest["step"] > cfg.steps:
         raise CheckpointError(f"{where}: the checkpoint is at step {manifest['step']}, past --steps "
                               f"{cfg.steps} (--steps counts all steps, those before the checkpoint too)")
+
+
+def is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def expected_tensors(optimizer: str, momentum: float, model: str, identity: dict) -> dict:
+    """{name: (full shape, the kinds of arrays, the kinds of counts)} of the model and optimizer a
+    run resumes: what a checkpoint must hold for it (built on the full model, no weights drawn)."""
+    fields = {key: value for key, value in identity.items() if key not in ("model", "optimizer")}
+    net = GPT(GPTConfig(**fields), seed=None) if model == "gpt" else MLPNet(MLPConfig(**fields), seed=None)
+    rule = optim.SGD([], lr=1.0, momentum=momentum) if optimizer == "sgd" else optim.AdamW([], lr=1.0)
+    state = rule.init_state(1, "float64", np)
+    arrays = {"param"} | {kind for kind, value in state.items() if hasattr(value, "shape")}
+    counts = {kind for kind, value in state.items() if not hasattr(value, "shape")}
+    return {name: (tuple(p.full_shape), arrays, counts) for name, p in net.named_parameters()}
+
+
+def check_tensors(manifest: dict, expected: dict, where: str) -> None:
+    """Every tensor the run needs is there with its shape, all its kinds and counts, and pieces that
+    cover each element exactly once, each in a file the manifest lists (so verified above)."""
+    tensors = manifest["tensors"]
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{where}: the checkpoint has no tensor {missing[0]!r}")
+    for name, (shape, arrays, counts) in expected.items():
+        tensor, what = tensors[name], f"{where}: tensor {name!r}"
+        if not (isinstance(tensor["shape"], list) and all(is_count(n) for n in tensor["shape"])) \
+                or tuple(tensor["shape"]) != shape:
+            raise CheckpointError(f"{what} has shape {tensor['shape']}, the model's is {list(shape)}")
+        # the optimizer's state is made at its first step: all of it there, or none (steps skipped)
+        held = {kind for entry in tensor["pieces"] for kind in entry["kinds"]} | set(tensor["counts"])
+        state = (arrays | counts) - {"param"}
+        if held & state and state - held:
+            raise CheckpointError(f"{what}: its optimizer state {sorted(state - held)[0]!r} is missing")
+        for kind in sorted(counts & held):
+            if not is_count(tensor["counts"][kind]):
+                raise CheckpointError(f"{what}: its count {kind!r} is {tensor['counts'][kind]!r}, not a count")
+        for kind in sorted(arrays & held | {"param"}):
+            pieces = [entry for entry in tensor["pieces"] if kind in entry["kinds"]]
+            if not pieces:
+                raise CheckpointError(f"{what}: its {kind!r} is missing")
+            check_cover(pieces, shape, manifest["files"], f"{what} ({kind})")
+
+
+def check_cover(entries: list, shape: tuple, files: dict, what: str) -> None:
+    """The pieces of one kind together hold every element of the full tensor once, in listed files."""
+    numbered = np.arange(1, int(np.prod(shape)) + 1).reshape(shape)  # 0 marks a padding row
+    seen = np.zeros(numbered.size + 1, dtype=np.int64)
+    for entry in entries:
+        if entry["file"] not in files:
+            raise CheckpointError(f"{what}: a piece is in {entry['file']!r}, which the manifest does not list")
+        try:
+            piece = Piece.from_json(entry, shape)
+            held = piece.cut(numbered).reshape(-1)
+            flat = piece.flat or (0, held.size)
+            valid = (piece.shard is None or 0 <= piece.shard.start < piece.shard.stop) and \
+                0 <= flat[0] < flat[1] <= int(np.prod(piece.local_shape())) and held.size == flat[1] - flat[0]
+        except (TypeError, ValueError, IndexError):
+            valid = False
+        if not valid:
+            raise CheckpointError(f"{what}: a piece {entry.get('shard')}, {entry.get('flat')} is out of range")
+        np.add.at(seen, held, 1)
+    seen[0] = 1  # padding
+    if (seen != 1).any():
+        holes, twice = int((seen == 0).sum()), int((seen > 1).sum())
+        raise CheckpointError(f"{what}: its pieces leave {holes} elements out and hold {twice} twice")
 
 
 def check_file(path: Path, expected: dict, what: str) -> None:

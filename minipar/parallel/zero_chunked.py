@@ -40,7 +40,7 @@ class ChunkedZero3(Updater):
     """Updater and model wrapper: ZeRO-3 whose unit of communication and of offload is the chunk."""
 
     def __init__(self, model, optimizer, comm, chunk_numel: int, budget_bytes: float | None = None,
-                 offload: str = "none", eviction: str = "opt"):
+                 offload: str = "none", eviction: str = "opt", disk_folder: str | None = None):
         check_replicas_identical(model, comm)
         self.model, self.optimizer, self.comm = model, optimizer, comm
         self.units = units_of(model, comm)
@@ -63,7 +63,7 @@ class ChunkedZero3(Updater):
         lower = None if offload == "none" else offload
         self.store = TieredStore(blocks, budget_bytes, lower, eviction,
                                  others=lambda: autograd.activation_meter.current + buffer_meter.current,
-                                 report=tier_meter.set)
+                                 report=tier_meter.set, disk_folder=disk_folder)
         for chunk in self.chunks:
             for tensor in chunk.tensors:
                 tensor.param.data = self.freed
@@ -301,4 +301,4 @@ def build_chunked_zero3(cfg, grid, model, optimizer) -> ChunkedZero3:
     """trainer/build.py's branch: the engine for --offload / --chunk-mb / --device-mem-mb."""
     budget = None if cfg.device_mem_mb is None else cfg.device_mem_mb * MiB
     return ChunkedZero3(model, optimizer, grid.dp, chunk_numel_for(cfg, model, grid.dp.size), budget,
-                        cfg.offload, cfg.eviction)
+                        cfg.offload, cfg.eviction, cfg.offload_dir)

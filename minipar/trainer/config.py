@@ -63,6 +63,9 @@ class TrainConfig:
     chunk_mb: float | None = option(None, "chunk size in MiB for chunked ZeRO-3 (default: least padding)",
                                     single_process=None)
     eviction: str = option("opt", "offload's eviction policy", POLICIES)
+    offload_dir: str | None = option(None, "folder of --offload disk's files (default: the system's "
+                                     "temporary folder); its free space is checked up front",
+                                     single_process=None)
     steps: int = option(60, "total steps (a resumed run continues to it)")
     batch_size: int = option(16, "global batch (sequences)")
     seq_len: int = option(32, "tokens per sequence (the GPT's context)")
