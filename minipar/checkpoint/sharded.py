@@ -34,6 +34,7 @@ passed in by the caller where no model exists yet (config validation). Lesson: l
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import io
 import json
@@ -52,7 +53,7 @@ from minipar.parallel.logical_state import Piece, assemble
 FORMAT = "minipar-checkpoint-1"
 MANIFEST = "manifest.json"
 FOLDER = re.compile(r"step-\d{6}(\.\d+)?")  # the folders save() makes ...
-SHARD_FILE = re.compile(r"rank\d{5}\.npz(\.tmp)?")  # ... and the only files it puts in them
+SHARD_FILE = re.compile(r"(rank\d{5}\.npz|manifest\.json)(\.tmp)?")  # ... and the only files in them
 
 
 class CheckpointError(ValueError):
@@ -62,8 +63,9 @@ class CheckpointError(ValueError):
 # ---- saving ----------------------------------------------------------------------------------------
 
 
-def save(directory, engine, step: int) -> None:
-    """Write the state of `engine` after `step` steps to `directory`. Collective over the world."""
+def save(directory, engine, step: int, keep: int = 1) -> None:
+    """Write the state of `engine` after `step` steps to `directory`, keeping the `keep` newest
+    checkpoints (this one included). Collective over the world."""
     directory, world = Path(directory), engine.grid.world
     held = engine.updater.checkpoint_pieces()
     keys = {(name, kind, piece) for name, kinds in held.items() for kind, (piece, _) in kinds.items()
@@ -79,8 +81,10 @@ def save(directory, engine, step: int) -> None:
     files = world.gather_obj((file, size, digest, mine, counts))
     if world.rank == 0:
         manifest = build_manifest(engine, step, folder, files)
-        write_atomically(directory / MANIFEST, manifest_text(manifest).encode(), 0, "manifest")
-        remove_old_folders(directory, keep=folder)
+        text = manifest_text(manifest).encode()
+        write_atomically(directory / folder / MANIFEST, text, 0, "manifest")  # --resume DIR/step-...
+        write_atomically(directory / MANIFEST, text, 0, "manifest")  # the commit point
+        remove_old_folders(directory, keep)
     world.bcast_obj(None)  # no rank returns before the checkpoint is committed
 
 
@@ -153,11 +157,24 @@ def build_manifest(engine, step: int, folder: str, files: list) -> dict:
         "model": model_identity(cfg, engine.model.config),
         "layout": {"world_size": engine.grid.world.size, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
                    "zero": cfg.zero, "offload": cfg.offload, "precision": cfg.precision},
+        "run": run_settings(cfg),
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "folder": folder,
         "files": {file: {"bytes": size, "sha256": digest} for file, size, digest, _, _ in files},
         "tensors": dict(sorted(tensors.items())),
     }
+
+
+def run_settings(cfg) -> dict:
+    """What changes the mathematics of the steps to come, though not the model: --resume checks it,
+    and a change needs --allow-changes. (Micro-batches, like the layout, may change freely.)"""
+    return {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "batch_size": cfg.batch_size}
+
+
+def changed_settings(manifest: dict, cfg) -> dict:
+    """{option: (saved, now)} for each run setting this run changes."""
+    saved = manifest["run"]
+    return {key: (saved[key], value) for key, value in run_settings(cfg).items() if saved[key] != value}
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -183,9 +200,23 @@ def written_by_save(path: Path) -> bool:
             and all(entry.is_file() and SHARD_FILE.fullmatch(entry.name) for entry in path.iterdir()))
 
 
-def remove_old_folders(directory: Path, keep: str) -> None:
+def saved_step(path: Path) -> tuple[int, int] | None:
+    """(step, n) of a committed checkpoint folder (its own manifest is there), else None."""
+    if not written_by_save(path) or not (path / MANIFEST).is_file():
+        return None
+    step, _, n = path.name.removeprefix("step-").partition(".")
+    return int(step), int(n or 0)
+
+
+def remove_old_folders(directory: Path, keep: int) -> None:
+    """Once a checkpoint is committed: keep the `keep` newest committed folders; remove the older ones
+    and the debris of saves that crashed (a folder without its manifest), never anything else."""
+    current = committed_folder(directory)
+    others = sorted((p.name for p in directory.iterdir() if p.name != current and saved_step(p)),
+                    key=lambda name: saved_step(directory / name), reverse=True)
+    kept = {current, *others[: keep - 1]}
     for path in directory.iterdir():
-        if path.name != keep and written_by_save(path):
+        if path.name not in kept and written_by_save(path):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -196,6 +227,31 @@ def model_identity(cfg, model_config) -> dict:
     model = dataclasses.asdict(model_config)
     model.pop("dtype")
     return {"model": cfg.model, **model, "optimizer": cfg.optimizer}
+
+
+_LOCKS: list[int] = []  # descriptors of the save folders this process holds, until it ends
+
+
+def lock_problems(directory) -> list[str]:
+    """Take the save folder for this process (rank 0 of the job): [] or why another job has it.
+
+    An exclusive flock on the folder itself (no lock file to leave behind), released by the system
+    when the process ends however it ends; two jobs saving to one folder would delete each other's
+    step folders and overwrite the manifest. One machine, or a file system whose flock is shared."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError as error:
+        return [f"--save {directory}: {error.strerror}"]
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(descriptor)
+        return [f"--save {directory} is in use: another run is saving there (wait for it, or choose "
+                "another folder)"]
+    _LOCKS.append(descriptor)
+    return []
 
 
 # ---- checking and loading ----------------------------------------------------------------------------
@@ -221,10 +277,15 @@ def read_manifest(directory, cfg, model_config) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{where}: {MANIFEST} is not a {FORMAT} manifest")
     try:
-        check_against(manifest, directory, model_identity(cfg, model_config), cfg, where)
+        check_against(manifest, base_of(directory, manifest), model_identity(cfg, model_config), cfg, where)
     except (KeyError, TypeError, AttributeError) as e:  # valid JSON, but not what save() writes
         raise CheckpointError(f"{where}: {MANIFEST} is malformed (at {e!r})") from None
     return manifest
+
+
+def base_of(directory: Path, manifest: dict) -> Path:
+    """The folder the manifest's file names start from: DIR, or DIR's parent for DIR/step-000008."""
+    return directory.parent if manifest.get("folder") == directory.name else directory
 
 
 def check_against(manifest: dict, directory: Path, identity: dict, cfg, where: str) -> None:
@@ -246,6 +307,11 @@ def check_against(manifest: dict, directory: Path, identity: dict, cfg, where: s
     if manifest["seed"] != cfg.seed:
         raise CheckpointError(f"{where}: saved with --seed {manifest['seed']}, and the data position "
                               f"is (seed, step): resume with --seed {manifest['seed']}")
+    changes = changed_settings(manifest, cfg)
+    if changes and not cfg.allow_changes:
+        listed = ", ".join(f"--{key.replace('_', '-')} {saved} there, {now} here"
+                           for key, (saved, now) in changes.items())
+        raise CheckpointError(f"{where}: the run changes {listed}; pass --allow-changes to resume so")
     if manifest["step"] > cfg.steps:
         raise CheckpointError(f"{where}: the checkpoint is at step {manifest['step']}, past --steps "
                               f"{cfg.steps} (--steps counts all steps, those before the checkpoint too)")
@@ -367,10 +433,16 @@ class SavedState:
             file.close()
 
 
+def changes_on_resume(directory, cfg) -> dict:
+    """{option: [saved, now]}: the run settings a resume with --allow-changes changed (for the log)."""
+    manifest = json.loads((Path(directory) / MANIFEST).read_text())
+    return {key: list(pair) for key, pair in changed_settings(manifest, cfg).items()}
+
+
 def load(directory, engine) -> int:
     """Set the engine's state from the checkpoint in `directory`; return its step. No collective."""
     manifest = read_manifest(directory, engine.cfg, engine.model.config)
-    state = SavedState(Path(directory), manifest)
+    state = SavedState(base_of(Path(directory), manifest), manifest)
     try:
         engine.updater.load_logical(state)
     finally:

@@ -164,7 +164,7 @@ class PipelineRunner(Runner):
             else:
                 self.backward(action.microbatch)
         for request in self.pending_sends:
-            request.Wait()
+            self.comm.wait(request, "send")
         self.record_timing(time.perf_counter() - started)
         return self.loss_sum
 

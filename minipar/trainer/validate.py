@@ -44,6 +44,11 @@ def _positive(cfg: TrainConfig) -> list[str]:
               for n in names if getattr(cfg, n) < 1]
     if cfg.dp is not None and cfg.dp < 1:
         errors.append(f"--dp must be a positive integer, got {cfg.dp}")
+    for name in ("save_every", "keep_last"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            errors.append(f"{_flag(name)} must be a positive integer, got {getattr(cfg, name)}")
+    if cfg.collective_timeout is not None and not cfg.collective_timeout > 0:
+        errors.append(f"--collective-timeout must be positive, got {cfg.collective_timeout}")
     if cfg.seed < 0:  # numpy's generators take non-negative seeds only
         errors.append(f"--seed must be a non-negative integer, got {cfg.seed}")
     if not cfg.lr > 0:  # `not >` so that nan is refused too
@@ -189,6 +194,8 @@ def _paths(cfg: TrainConfig) -> list[str]:
         errors.append(f"--log {cfg.log} is a directory, not a file")
     elif cfg.log is not None:
         errors += _writable("--log", cfg.log, Path(cfg.log).parent)  # the log's folder must exist
+    if cfg.save is None and (cfg.save_every is not None or cfg.keep_last is not None):
+        errors.append("--save-every and --keep-last need --save DIR")
     if cfg.save is not None and Path(cfg.save).exists() and not Path(cfg.save).is_dir():
         errors.append(f"--save {cfg.save} is a file, not a directory")
     elif cfg.save is not None:
