@@ -32,6 +32,7 @@ synchronisation, or the device arrays themselves when MPI is CUDA-aware (lessons
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -385,12 +386,15 @@ def inject_fault(rank: int, what: str, **where) -> None:
     """Raise on `rank` if MINIPAR_FAULT names this place: tests that a job losing a rank ends cleanly.
 
     MINIPAR_FAULT=rank:R,step:S raises on rank R at step S (trainer/loop.py: where = step=S);
+    rank:R,step:S,stall:stop stops that rank there instead (SIGSTOP: the watchdog's test);
     rank:R,save:PHASE raises on rank R halfway through writing its checkpoint file (PHASE shard) or the
     manifest (PHASE manifest, checkpoint/sharded.py: where = save=PHASE). `what` says where, in the error."""
     spec = os.environ.get("MINIPAR_FAULT", "")
     fault = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)
     named = {"rank": rank, **where}
     if where and all(fault.get(key) == str(value) for key, value in named.items()):
+        if fault.get("stall") == "stop":  # rank:R,step:S,stall:stop: this rank stops, as if hung
+            os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError(f"injected fault on rank {rank} {what} (MINIPAR_FAULT={spec})")
 
 
