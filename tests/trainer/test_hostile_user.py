@@ -122,14 +122,14 @@ def test_an_fp32_mlp_holds_4_byte_gradients():
 
 def test_spawns_mpiexec_an_fp32_mlp_sends_4_bytes_per_gradient_and_pipelines(tmp_path):
     log = tmp_path / "log.jsonl"
-    result, _ = minipar_train("--model", "mlp", "--dp", "2", "--steps", "1", "--quiet", "--log", str(log))
+    result, _ = minipar_train("--model", "mlp", "--dp", "2", "--fused", "--steps", "1", "--quiet", "--log",
+                              str(log))  # --fused: AdamW's fused kernels used to meet float64 gradients
     assert result.returncode == 0, result.stderr
     n_params = sum(p.size for p in train.build.build_model(SMALL_CFG.replace(model="mlp"), None).parameters())
     [record] = [json.loads(line) for line in log.read_text().splitlines()]
     assert record["comm"]["by_op"]["all_reduce"] == 2 * (2 - 1) * 4 * n_params // 2  # 2(N-1)/N * 4 bytes
-    for flags in (["--pp", "2", "--n-layer", "2"], ["--fused", "--dp", "2"]):
-        result, _ = minipar_train("--model", "mlp", "--steps", "2", "--quiet", *flags)
-        assert result.returncode == 0, result.stderr
+    result, _ = minipar_train("--model", "mlp", "--pp", "2", "--n-layer", "2", "--steps", "2", "--quiet")
+    assert result.returncode == 0, result.stderr  # it was "Message truncated": float64 into a float32 buffer
 
 
 # ---- 7. the log is strict JSON; a loss that is not finite stops the run; a failed write is reported ------
@@ -171,8 +171,15 @@ def test_spawns_mpiexec_a_second_job_saving_to_a_held_folder_is_refused(tmp_path
     finally:
         holder.kill()
         holder.wait()
-    result, _ = minipar_train("--steps", "1", "--quiet", "--save", str(tmp_path))  # released: it saves
-    assert result.returncode == 0, result.stderr
+    assert sharded_lock_is_free(tmp_path)  # the system released it with the process
+
+
+def sharded_lock_is_free(directory) -> bool:
+    from minipar.checkpoint import sharded
+
+    free = sharded.lock_problems(directory) == []
+    os.close(sharded._LOCKS.pop())
+    return free
 
 
 # ---- 9. disk offload on a folder too small ---------------------------------------------------------------
@@ -232,16 +239,16 @@ def test_spawns_mpiexec_ctrl_c_ends_every_rank_with_one_line_and_exit_130():
 def test_spawns_mpiexec_a_stalled_rank_ends_the_job_within_the_timeout():
     """Rank 1 stops itself (SIGSTOP) at step 2: rank 0 waits in the dp all-reduce of its gradients."""
     fault = {"MINIPAR_FAULT": "rank:1,step:2,stall:stop"}
-    result, seconds = minipar_train("--steps", "5", "--quiet", "--collective-timeout", "3", env=fault)
-    assert result.returncode != 0 and 3 <= seconds < 3 + 10, (seconds, result.stderr)
+    result, seconds = minipar_train("--steps", "5", "--quiet", "--collective-timeout", "2", env=fault)
+    assert result.returncode != 0 and 2 <= seconds < 2 + 10, (seconds, result.stderr)
     [line] = result.stderr.strip().splitlines()
-    assert line.startswith("minipar: error: rank 0 waited 3 s in all_reduce on communicator 'dp' "
-                           "(world ranks [0, 1]), past --collective-timeout 3")
+    assert line.startswith("minipar: error: rank 0 waited 2 s in all_reduce on communicator 'dp' "
+                           "(world ranks [0, 1]), past --collective-timeout 2")
 
 
 def test_spawns_mpiexec_the_watchdog_does_not_fire_while_rank_0_checks_the_reference():
     """The reference run takes rank 0 longer than the timeout, while rank 1 waits in a plain barrier."""
-    result, _ = minipar_train("--steps", "30", "--check-reference", "--collective-timeout", "0.5")
+    result, _ = minipar_train("--steps", "12", "--check-reference", "--collective-timeout", "0.2")
     assert result.returncode == 0 and "check against one process" in result.stdout, result.stderr
 
 
