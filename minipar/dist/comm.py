@@ -42,77 +42,18 @@ from mpi4py import MPI
 
 from minipar.core import backend
 from minipar.core.shards import shard_bounds, shard_sizes
+from minipar.dist.watchdog import watching
 
 REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
-# ---- the watchdog: no wait lasts forever ---------------------------------------------------------
-#
-# Every collective and pipeline receive is started non-blocking and waited for in Python, polling
-# the request: the first SPIN_S spinning (a step's collectives mostly finish within it), then with a
-# nap between polls so that ranks sharing a core leave it to the ranks that still compute. A wait past
-# the timeout ends the process with one line naming the operation, the communicator and its ranks
-# (mpiexec then ends the others), as NCCL's watchdog does. And since the waiting happens in Python, a
-# Ctrl-C reaches a waiting rank within one nap: a rank blocked inside a C-level MPI call would see
-# KeyboardInterrupt only once the call returned, which for a stalled peer is never.
-
-TIMEOUT_ENV = "MINIPAR_COLLECTIVE_TIMEOUT"  # the default of --collective-timeout (tests set ~30 s)
-DEFAULT_TIMEOUT_S = 600.0
-SPIN_S, NAP_S = 0.002, 0.0002
-
-
-def timeout_from_env() -> float:
-    """$MINIPAR_COLLECTIVE_TIMEOUT in seconds when set to a positive number, else 600."""
-    try:
-        seconds = float(os.environ.get(TIMEOUT_ENV, ""))
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
-    return seconds if 0 < seconds < float("inf") else DEFAULT_TIMEOUT_S
-
-
-_timeout_s = [timeout_from_env()]
-
-
-def set_collective_timeout(seconds: float) -> None:
-    """How long any rank may wait in one collective or receive before the watchdog ends the job."""
-    _timeout_s[0] = float(seconds)
-
-
-def collective_timeout() -> float:
-    return _timeout_s[0]
-
-
 def world_ranks(mpi_comm) -> list[int]:
-    """The COMM_WORLD ranks of a communicator's members, in its own rank order."""
+    """The COMM_WORLD ranks of a communicator's members, in its own rank order (a local call)."""
     group, world = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
     try:
         return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
     finally:
         group.Free()
         world.Free()
-
-
-def wait(request, mpi_comm, name: str, op: str) -> None:
-    """Wait for a non-blocking MPI request; past the timeout, end this process with one line."""
-    if request.Test():
-        return
-    started = time.monotonic()
-    while not request.Test():
-        waited = time.monotonic() - started
-        if waited > _timeout_s[0]:
-            stalled(mpi_comm, name, op, waited)
-        if waited > SPIN_S:
-            time.sleep(NAP_S)
-
-
-def stalled(mpi_comm, name: str, op: str, waited: float) -> None:
-    rank = MPI.COMM_WORLD.Get_rank()
-    sys.stderr.write(f"minipar: error: rank {rank} waited {waited:.0f} s in {op} on communicator {name!r} "
-                     f"(world ranks {world_ranks(mpi_comm)}), past --collective-timeout "
-                     f"{_timeout_s[0]:g}: a rank of it stalled or died\n")
-    sys.stderr.flush()
-    os._exit(1)  # not Abort: its own lines would follow ours; mpiexec ends the other ranks
-
-
 
 
 def ring_bytes_sent(op: str, shard_nbytes: list[int], rank: int) -> int:
@@ -205,6 +146,7 @@ class Comm:
         self.ledger = ledger if ledger is not None else TrafficLedger()
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
+        self.world_ranks = world_ranks(mpi_comm)  # for the watchdog's line (watchdog.py)
 
     def __repr__(self) -> str:
         return f"Comm({self.name!r}, rank {self.rank} of {self.size})"
@@ -218,7 +160,8 @@ class Comm:
         """A new array of x's shape: the elementwise op ("sum", "max", "min") over all ranks."""
         send = _send_buffer(x)
         received = _receive_buffer(send.shape, send.dtype)
-        self.wait(self.mpi.Iallreduce(send, received, op=REDUCE_OPS[op]), "all_reduce")
+        with self.watch("all_reduce"):
+            self.mpi.Allreduce(send, received, op=REDUCE_OPS[op])
         self._charge_ring("all_reduce", shard_sizes(send.size, self.size), send.itemsize)
         return _device(received)
 
@@ -227,8 +170,8 @@ class Comm:
         send = _send_buffer(x).reshape(-1)
         counts = shard_sizes(send.size, self.size)
         received = _receive_buffer(counts[self.rank], send.dtype)
-        self.wait(self.mpi.Ireduce_scatter(send, received, recvcounts=counts, op=REDUCE_OPS[op]),
-                  "reduce_scatter")
+        with self.watch("reduce_scatter"):
+            self.mpi.Reduce_scatter(send, received, recvcounts=counts, op=REDUCE_OPS[op])
         self._charge_ring("reduce_scatter", counts, send.itemsize)
         return _device(received)
 
@@ -251,7 +194,8 @@ class Comm:
             flat = xp.concatenate([flat, xp.zeros(widest - flat.size, flat.dtype)])
         send = _send_buffer(flat)
         received = _receive_buffer((self.size, widest), send.dtype)
-        self.wait(self.mpi.Iallgather(send, received), "all_gather")
+        with self.watch("all_gather"):
+            self.mpi.Allgather(send, received)
         self._charge_ring("all_gather", counts, send.itemsize)
         if all(count == widest for count in counts):
             return _device(received.reshape(-1))
@@ -261,7 +205,8 @@ class Comm:
     def broadcast(self, x, root: int = 0):
         """A new array with root's x; every rank passes an x of the same shape and dtype."""
         buffer = _send_buffer(x, copy=True)  # a new buffer: the other ranks receive into it
-        self.wait(self.mpi.Ibcast(buffer, root=root), "broadcast")
+        with self.watch("broadcast"):
+            self.mpi.Bcast(buffer, root=root)
         forwarded = self.size > 1
         self.ledger.charge(self.name, "broadcast", buffer.nbytes if forwarded else 0, int(forwarded))
         return _device(buffer)
@@ -269,7 +214,8 @@ class Comm:
     def send(self, x, dest: int, tag: int = 0) -> None:
         """Blocking send of x to rank dest of this communicator."""
         buffer = _send_buffer(x)
-        self.wait(self.mpi.Isend(buffer, dest=dest, tag=tag), f"send to rank {dest}")
+        with self.watch(f"send to rank {dest}"):
+            self.mpi.Send(buffer, dest=dest, tag=tag)
         self.ledger.charge(self.name, "send", buffer.nbytes)
 
     def isend(self, x, dest: int, tag: int = 0):
@@ -284,38 +230,44 @@ class Comm:
     def recv(self, shape, dtype, source: int, tag: int = 0):
         """Blocking receive of an array of the given shape and dtype from rank source."""
         buffer = _receive_buffer(shape, dtype)
-        self.wait(self.mpi.Irecv(buffer, source=source, tag=tag), f"recv from rank {source}")
+        with self.watch(f"recv from rank {source}"):
+            self.mpi.Recv(buffer, source=source, tag=tag)
         return _device(buffer)
 
     def barrier(self) -> None:
-        self.wait(self.mpi.Ibarrier(), "barrier")
+        with self.watch("barrier"):
+            self.mpi.Barrier()
+
+    def watch(self, op: str):
+        """The context of one blocking call on this communicator, watched by the watchdog."""
+        return watching(op, self.name, self.world_ranks, MPI.COMM_WORLD.Get_rank())
 
     def wait(self, request, op: str) -> None:
         """Wait for a request on this communicator under the watchdog (e.g. a pipeline's isend)."""
-        wait(request, self.mpi, self.name, op)
+        with self.watch(op):
+            request.Wait()
 
     def split(self, color: int, key: int, name: str) -> Comm:
         """Sub-communicator of the ranks with the same color, ordered by key, sharing this ledger."""
         return Comm(self.mpi.Split(color, key), name=name, ledger=self.ledger)
 
-    # Uncharged control messages: small Python objects, pickled. mpi4py has no non-blocking form of
-    # these, so a watched barrier goes first: once every rank has reached it, the call completes.
+    # Uncharged control messages: small Python objects, pickled.
     def allreduce_obj(self, obj, op: str = "sum"):
-        self.wait(self.mpi.Ibarrier(), "allreduce_obj")
-        return self.mpi.allreduce(obj, op=REDUCE_OPS[op])
+        with self.watch("allreduce_obj"):
+            return self.mpi.allreduce(obj, op=REDUCE_OPS[op])
 
     def bcast_obj(self, obj, root: int = 0):
-        self.wait(self.mpi.Ibarrier(), "bcast_obj")
-        return self.mpi.bcast(obj, root=root)
+        with self.watch("bcast_obj"):
+            return self.mpi.bcast(obj, root=root)
 
     def gather_obj(self, obj, root: int = 0):
         """List of every rank's obj on root, None elsewhere."""
-        self.wait(self.mpi.Ibarrier(), "gather_obj")
-        return self.mpi.gather(obj, root=root)
+        with self.watch("gather_obj"):
+            return self.mpi.gather(obj, root=root)
 
     def allgather_obj(self, obj) -> list:
-        self.wait(self.mpi.Ibarrier(), "allgather_obj")
-        return self.mpi.allgather(obj)
+        with self.watch("allgather_obj"):
+            return self.mpi.allgather(obj)
 
 
 class ProcessGrid:

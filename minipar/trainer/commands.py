@@ -38,9 +38,11 @@ def train_main(argv: list[str]) -> int:
             return fail("minipar train", f"{message} (on rank {rank})")
         return fail("minipar train", errors) if errors else int(code or 0)
     from minipar.dist.comm import install_excepthook, wait_for_everyone
+    from minipar.dist.watchdog import WATCHDOG
     from minipar.trainer import loop as train
 
     install_excepthook()
+    WATCHDOG.catch_interrupts()  # Ctrl-C reaches a rank blocked in MPI too (dist/watchdog.py)
     try:
         try:
             train.train(cfg.resolved(world.Get_size()))

@@ -16,7 +16,8 @@ import numpy as np
 
 from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend
-from minipar.dist.comm import Comm, ProcessGrid, inject_fault, node_local_rank, set_collective_timeout
+from minipar.dist.comm import Comm, ProcessGrid, inject_fault, node_local_rank
+from minipar.dist.watchdog import set_collective_timeout
 from minipar.memory.ledger import MemoryLedger
 from minipar.trainer import build, report
 from minipar.trainer.config import TrainConfig

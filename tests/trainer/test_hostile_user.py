@@ -25,7 +25,7 @@ from test_reliability import MPIEXEC, ROOT, SMALL, SMALL_CFG, minipar_train
 
 from minipar.core import functional as F
 from minipar.core.autograd import Tensor
-from minipar.dist import comm
+from minipar.dist import watchdog
 from minipar.memory import offload
 from minipar.trainer import loop as train
 from minipar.trainer import validate as validation
@@ -220,17 +220,29 @@ def test_disk_files_go_to_the_offload_dir(tmp_path, monkeypatch):
 # ---- 10. Ctrl-C ----------------------------------------------------------------------------------------
 
 
-def test_spawns_mpiexec_ctrl_c_ends_every_rank_with_one_line_and_exit_130():
+def interrupt_a_training_job(env=None) -> tuple[int, str]:
     command = [MPIEXEC, "-n", "2", sys.executable, "-m", "minipar", "train", *SMALL, "--steps", "100000"]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                           env={**os.environ, "MPIEXEC_TIMEOUT": "60"})
+                           env={**os.environ, "MPIEXEC_TIMEOUT": "60", **(env or {})})
     while "step" not in job.stdout.readline():  # training has begun
         pass
-    time.sleep(0.5)
+    time.sleep(1.0)
     job.send_signal(signal.SIGINT)  # mpiexec passes it to every rank, as a terminal's Ctrl-C does
     _, stderr = job.communicate(timeout=30)
-    assert job.returncode == 130 and "Traceback" not in stderr, stderr
+    return job.returncode, stderr
+
+
+def test_spawns_mpiexec_ctrl_c_ends_every_rank_with_one_line_and_exit_130():
+    code, stderr = interrupt_a_training_job()
+    assert code == 130 and "Traceback" not in stderr, stderr
     assert sorted(stderr.strip().splitlines()) == [f"minipar train: interrupted (rank {r})" for r in (0, 1)]
+
+
+def test_spawns_mpiexec_ctrl_c_reaches_a_rank_blocked_inside_mpi():
+    """Rank 1 stops at step 1, so rank 0 sits inside MPI_Allreduce, where KeyboardInterrupt cannot
+    reach it: the watchdog thread, woken by the signal's byte on its pipe, ends it in one line."""
+    code, stderr = interrupt_a_training_job({"MINIPAR_FAULT": "rank:1,step:1,stall:stop"})
+    assert code == 130 and stderr.strip().splitlines() == ["minipar train: interrupted (rank 0)"], stderr
 
 
 # ---- the watchdog -----------------------------------------------------------------------------------------
@@ -254,8 +266,8 @@ def test_spawns_mpiexec_the_watchdog_does_not_fire_while_rank_0_checks_the_refer
 
 def test_the_default_timeout_comes_from_the_environment(monkeypatch):
     for value, expected in [("30", 30.0), ("", 600.0), ("never", 600.0), ("-5", 600.0), ("inf", 600.0)]:
-        monkeypatch.setenv(comm.TIMEOUT_ENV, value)
-        assert comm.timeout_from_env() == expected
+        monkeypatch.setenv(watchdog.TIMEOUT_ENV, value)
+        assert watchdog.timeout_from_env() == expected
 
 
 # ---- periodic checkpoints: a job killed at step 9 of 10 with --save-every 4 ---------------------------------
