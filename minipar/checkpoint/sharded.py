@@ -352,7 +352,8 @@ def check_tensors(manifest: dict, expected: dict, where: str) -> None:
             raise CheckpointError(f"{what}: its optimizer state {sorted(state - held)[0]!r} is missing")
         for kind in sorted(counts & held):
             if not is_count(tensor["counts"][kind]):
-                raise CheckpointError(f"{what}: its count {kind!r} is {tensor['counts'][kind]!r}, not a count")
+                count = tensor["counts"][kind]
+                raise CheckpointError(f"{what}: its count {kind!r} is {count!r}, not a count")
         for kind in sorted(arrays & held | {"param"}):
             pieces = [entry for entry in tensor["pieces"] if kind in entry["kinds"]]
             if not pieces:
@@ -366,7 +367,8 @@ def check_cover(entries: list, shape: tuple, files: dict, what: str) -> None:
     seen = np.zeros(numbered.size + 1, dtype=np.int64)
     for entry in entries:
         if entry["file"] not in files:
-            raise CheckpointError(f"{what}: a piece is in {entry['file']!r}, which the manifest does not list")
+            raise CheckpointError(f"{what}: a piece is in {entry['file']!r}, which the manifest does not "
+                                  "list")
         try:
             piece = Piece.from_json(entry, shape)
             held = piece.cut(numbered).reshape(-1)
@@ -376,7 +378,8 @@ def check_cover(entries: list, shape: tuple, files: dict, what: str) -> None:
         except (TypeError, ValueError, IndexError):
             valid = False
         if not valid:
-            raise CheckpointError(f"{what}: a piece {entry.get('shard')}, {entry.get('flat')} is out of range")
+            where = f"{entry.get('shard')}, {entry.get('flat')}"
+            raise CheckpointError(f"{what}: a piece {where} is out of range")
         np.add.at(seen, held, 1)
     seen[0] = 1  # padding
     if (seen != 1).any():

@@ -184,7 +184,8 @@ def same_dtype(op: str, *operands) -> None:
     float64 data. Elementwise ops promote, as in PyTorch."""
     dtypes = [getattr(x, "dtype", None) for x in operands if x is not None]
     if len(set(dtypes)) > 1:
-        raise TypeError(f"{op}: expected both operands to have the same dtype, got {' and '.join(map(str, dtypes))}")
+        named = " and ".join(map(str, dtypes))
+        raise TypeError(f"{op}: expected both operands to have the same dtype, got {named}")
 
 
 def matmul(a, b):

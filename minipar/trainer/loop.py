@@ -72,8 +72,8 @@ class Trainer:
         # --allow-changes: what the resumed run changes (lr, weight decay, batch), in its first record
         self.changes = checkpoint.changes_on_resume(cfg.resume, cfg) if cfg.resume else {}
         if self.changes and self.is_rank0 and not cfg.quiet:
-            print("resumed with changes: " + ", ".join(f"{key} {saved} -> {now}"
-                                                      for key, (saved, now) in self.changes.items()), flush=True)
+            changed = ", ".join(f"{key} {saved} -> {now}" for key, (saved, now) in self.changes.items())
+            print(f"resumed with changes: {changed}", flush=True)
         self.log_error: str | None = None  # a failed write to --log: reported once the run is saved
 
     @property
@@ -157,7 +157,8 @@ class Trainer:
             log.flush()
             return log
         except OSError as error:
-            self.log_error = (f"--log {self.cfg.log}: writing step {record['step']} failed ({error.strerror}); "
+            step = record["step"]
+            self.log_error = (f"--log {self.cfg.log}: writing step {step} failed ({error.strerror}); "
                               "training went on, and the log ends before that step")
             self.close_log(log)
             return None

@@ -77,7 +77,8 @@ EDITS = [
     (lambda m: first(m).__setitem__("shard", [0, 5, 2]), "is out of range"),
     (lambda m: m["tensors"]["embed.wte.weight"]["counts"].__setitem__("step", "2"), "not a count"),
     (lambda m: m["tensors"].pop("blocks.0.ln_1.bias"), "has no tensor 'blocks.0.ln_1.bias'"),
-    (lambda m: m["files"].__setitem__("../../elsewhere.npz", {"bytes": 1, "sha256": "0"}), "not a file of its folder"),
+    (lambda m: m["files"].__setitem__("../../elsewhere.npz", {"bytes": 1, "sha256": "0"}),
+     "not a file of its folder"),
 ]
 
 
@@ -171,5 +172,6 @@ def test_microbatches_and_layout_change_freely_on_resume(saved):
 def test_digest_is_of_the_content(saved):
     manifest = json.loads((saved / "manifest.json").read_text())
     assert manifest["sha256"] == sharded.manifest_digest(manifest)
-    assert manifest["run"] == {"lr": TINY.lr, "weight_decay": TINY.weight_decay, "batch_size": TINY.batch_size}
+    assert manifest["run"] == {"lr": TINY.lr, "weight_decay": TINY.weight_decay,
+                               "batch_size": TINY.batch_size}
     assert np.isfinite(manifest["run"]["lr"])

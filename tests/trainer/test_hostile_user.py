@@ -159,9 +159,9 @@ def test_spawns_mpiexec_a_failed_log_write_is_one_line_after_the_checkpoint(tmp_
 
 
 def test_spawns_mpiexec_a_second_job_saving_to_a_held_folder_is_refused(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from minipar.checkpoint import sharded; "
-                               f"assert sharded.lock_problems({str(tmp_path)!r}) == []; print('held', flush=True); "
-                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    hold = (f"import time; from minipar.checkpoint import sharded; assert sharded.lock_problems("
+            f"{str(tmp_path)!r}) == []; print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert holder.stdout.readline().strip() == "held"
         result, seconds = minipar_train("--steps", "1", "--save", str(tmp_path))
@@ -270,7 +270,7 @@ def test_the_default_timeout_comes_from_the_environment(monkeypatch):
         assert watchdog.timeout_from_env() == expected
 
 
-# ---- periodic checkpoints: a job killed at step 9 of 10 with --save-every 4 ---------------------------------
+# ---- periodic checkpoints: a job killed at step 9 of 10 with --save-every 4 -----------------------------
 
 
 def test_spawns_mpiexec_a_job_killed_at_step_9_resumes_from_step_8_like_an_uninterrupted_run(tmp_path):
