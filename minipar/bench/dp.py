@@ -42,6 +42,29 @@ def all_reduce_seconds(nbytes: int, repeats: int = 20) -> float:
     return comm.allreduce_obj(seconds, op="max")
 
 
+def watched_and_blocking_seconds(nbytes: int, rounds: int = 15, repeats: int = 20) -> tuple[float, float]:
+    """Under mpiexec: the median seconds of one MPI Allreduce of `nbytes` inside the watchdog's context
+    (dist/watchdog.py, as Comm runs every collective) and alone, in alternating rounds
+    so that a change in the machine's load hits both alike; the slowest rank's medians."""
+    from mpi4py import MPI
+
+    from minipar.dist.comm import Comm
+
+    comm, buffer = Comm(MPI.COMM_WORLD), np.ones(max(1, nbytes // 8))
+    received = np.empty_like(buffer)
+
+    def watched_all_reduce():
+        with comm.watch("all_reduce"):
+            comm.mpi.Allreduce(buffer, received)
+
+    watched, blocking = [], []
+    for _ in range(rounds):
+        watched.append(median_seconds(watched_all_reduce, repeats, before=comm.mpi.Barrier))
+        blocking.append(median_seconds(lambda: comm.mpi.Allreduce(buffer, received), repeats,
+                                       before=comm.mpi.Barrier))
+    return comm.allreduce_obj(median(watched), op="max"), comm.allreduce_obj(median(blocking), op="max")
+
+
 def gradient_bytes(train_args: list[str]) -> int:
     """Bytes of one full gradient: every parameter of the model, in the training dtype."""
     cfg = parse_train_args(train_args)
@@ -132,7 +155,13 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":  # the all-reduce probe that measure() launches under mpiexec
-    if sys.argv[1:2] == ["--all-reduce-seconds"]:
+    if sys.argv[1:2] == ["--watched-and-blocking"]:  # the watchdog's cost: lessons/12_reliability.md
+        times = watched_and_blocking_seconds(int(sys.argv[2]))
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.rank == 0:
+            print(json.dumps({"bytes": int(sys.argv[2]), "watched_s": times[0], "blocking_s": times[1]}))
+    elif sys.argv[1:2] == ["--all-reduce-seconds"]:
         seconds = all_reduce_seconds(int(sys.argv[2]))
         from mpi4py import MPI
 

@@ -34,20 +34,26 @@ passed in by the caller where no model exists yet (config validation). Lesson: l
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 
+from minipar.core import optim
+from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet
 from minipar.dist.comm import inject_fault
 from minipar.parallel.logical_state import Piece, assemble
 
 FORMAT = "minipar-checkpoint-1"
 MANIFEST = "manifest.json"
+FOLDER = re.compile(r"step-\d{6}(\.\d+)?")  # the folders save() makes ...
+SHARD_FILE = re.compile(r"(rank\d{5}\.npz|manifest\.json)(\.tmp)?")  # ... and the only files in them
 
 
 class CheckpointError(ValueError):
@@ -57,8 +63,9 @@ class CheckpointError(ValueError):
 # ---- saving ----------------------------------------------------------------------------------------
 
 
-def save(directory, engine, step: int) -> None:
-    """Write the state of `engine` after `step` steps to `directory`. Collective over the world."""
+def save(directory, engine, step: int, keep: int = 1) -> None:
+    """Write the state of `engine` after `step` steps to `directory`, keeping the `keep` newest
+    checkpoints (this one included). Collective over the world."""
     directory, world = Path(directory), engine.grid.world
     held = engine.updater.checkpoint_pieces()
     keys = {(name, kind, piece) for name, kinds in held.items() for kind, (piece, _) in kinds.items()
@@ -74,8 +81,10 @@ def save(directory, engine, step: int) -> None:
     files = world.gather_obj((file, size, digest, mine, counts))
     if world.rank == 0:
         manifest = build_manifest(engine, step, folder, files)
-        write_atomically(directory / MANIFEST, manifest_text(manifest).encode(), 0, "manifest")
-        remove_old_folders(directory, keep=folder)
+        text = manifest_text(manifest).encode()
+        write_atomically(directory / folder / MANIFEST, text, 0, "manifest")  # --resume DIR/step-...
+        write_atomically(directory / MANIFEST, text, 0, "manifest")  # the commit point
+        remove_old_folders(directory, keep)
     world.bcast_obj(None)  # no rank returns before the checkpoint is committed
 
 
@@ -83,7 +92,8 @@ def new_folder(directory: Path, step: int) -> str:
     """A fresh folder for this save's files, never the one the current manifest names."""
     current = committed_folder(directory)
     name, n = f"step-{step:06d}", 0
-    while name == current:
+    # never the committed folder, nor a folder of the user's that happens to have the name
+    while name == current or ((directory / name).exists() and not written_by_save(directory / name)):
         n += 1
         name = f"step-{step:06d}.{n}"
     shutil.rmtree(directory / name, ignore_errors=True)  # left behind by a save that crashed
@@ -147,6 +157,7 @@ def build_manifest(engine, step: int, folder: str, files: list) -> dict:
         "model": model_identity(cfg, engine.model.config),
         "layout": {"world_size": engine.grid.world.size, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
                    "cp": cfg.cp, "zero": cfg.zero, "offload": cfg.offload, "precision": cfg.precision},
+        "run": run_settings(cfg),
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "folder": folder,
         "files": {file: {"bytes": size, "sha256": digest} for file, size, digest, _, _ in files},
@@ -154,17 +165,58 @@ def build_manifest(engine, step: int, folder: str, files: list) -> dict:
     }
 
 
+def run_settings(cfg) -> dict:
+    """What changes the mathematics of the steps to come, though not the model: --resume checks it,
+    and a change needs --allow-changes. (Micro-batches, like the layout, may change freely.)"""
+    return {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "batch_size": cfg.batch_size}
+
+
+def changed_settings(manifest: dict, cfg) -> dict:
+    """{option: (saved, now)} for each run setting this run changes."""
+    saved = manifest["run"]
+    return {key: (saved[key], value) for key, value in run_settings(cfg).items() if saved[key] != value}
+
+
+def manifest_digest(manifest: dict) -> str:
+    """SHA-256 of the manifest's content (every key but the digest, as sorted JSON): an edited or
+    damaged manifest that still parses is refused like a damaged shard file."""
+    content = {key: value for key, value in manifest.items() if key != "sha256"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
 def manifest_text(manifest: dict) -> str:
-    """The manifest as JSON that a reader can scan: one line per logical tensor."""
+    """The manifest as JSON that a reader can scan: one line per logical tensor; its digest last."""
+    manifest = {**manifest, "sha256": manifest_digest(manifest)}
     tensors = ",\n".join(f"  {json.dumps(name)}: {json.dumps(tensor)}"
                           for name, tensor in manifest["tensors"].items())
     text = json.dumps({**manifest, "tensors": None}, indent=1)
     return text.replace('"tensors": null', '"tensors": {\n' + tensors + "\n }") + "\n"
 
 
-def remove_old_folders(directory: Path, keep: str) -> None:
-    for path in directory.glob("step-*"):
-        if path.is_dir() and path.name != keep:
+def written_by_save(path: Path) -> bool:
+    """A folder save() made: its name and every file in it are save()'s own (the user's `step-notes/`,
+    or a step-000002/ holding anything else, is not ours to delete)."""
+    return (path.is_dir() and not path.is_symlink() and FOLDER.fullmatch(path.name) is not None
+            and all(entry.is_file() and SHARD_FILE.fullmatch(entry.name) for entry in path.iterdir()))
+
+
+def saved_step(path: Path) -> tuple[int, int] | None:
+    """(step, n) of a committed checkpoint folder (its own manifest is there), else None."""
+    if not written_by_save(path) or not (path / MANIFEST).is_file():
+        return None
+    step, _, n = path.name.removeprefix("step-").partition(".")
+    return int(step), int(n or 0)
+
+
+def remove_old_folders(directory: Path, keep: int) -> None:
+    """Once a checkpoint is committed: keep the `keep` newest committed folders; remove the older ones
+    and the debris of saves that crashed (a folder without its manifest), never anything else."""
+    current = committed_folder(directory)
+    others = sorted((p.name for p in directory.iterdir() if p.name != current and saved_step(p)),
+                    key=lambda name: saved_step(directory / name), reverse=True)
+    kept = {current, *others[: keep - 1]}
+    for path in directory.iterdir():
+        if path.name not in kept and written_by_save(path):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -175,6 +227,31 @@ def model_identity(cfg, model_config) -> dict:
     model = dataclasses.asdict(model_config)
     model.pop("dtype")
     return {"model": cfg.model, **model, "optimizer": cfg.optimizer}
+
+
+_LOCKS: list[int] = []  # descriptors of the save folders this process holds, until it ends
+
+
+def lock_problems(directory) -> list[str]:
+    """Take the save folder for this process (rank 0 of the job): [] or why another job has it.
+
+    An exclusive flock on the folder itself (no lock file to leave behind), released by the system
+    when the process ends however it ends; two jobs saving to one folder would delete each other's
+    step folders and overwrite the manifest. One machine, or a file system whose flock is shared."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError as error:
+        return [f"--save {directory}: {error.strerror}"]
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(descriptor)
+        return [f"--save {directory} is in use: another run is saving there (wait for it, or choose "
+                "another folder)"]
+    _LOCKS.append(descriptor)
+    return []
 
 
 # ---- checking and loading ----------------------------------------------------------------------------
@@ -200,25 +277,114 @@ def read_manifest(directory, cfg, model_config) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{where}: {MANIFEST} is not a {FORMAT} manifest")
     try:
-        check_against(manifest, directory, model_identity(cfg, model_config), cfg, where)
+        check_against(manifest, base_of(directory, manifest), model_identity(cfg, model_config), cfg, where)
     except (KeyError, TypeError, AttributeError) as e:  # valid JSON, but not what save() writes
         raise CheckpointError(f"{where}: {MANIFEST} is malformed (at {e!r})") from None
     return manifest
 
 
+def base_of(directory: Path, manifest: dict) -> Path:
+    """The folder the manifest's file names start from: DIR, or DIR's parent for DIR/step-000008."""
+    return directory.parent if manifest.get("folder") == directory.name else directory
+
+
 def check_against(manifest: dict, directory: Path, identity: dict, cfg, where: str) -> None:
+    if manifest["sha256"] != manifest_digest(manifest):
+        raise CheckpointError(f"{where}: {MANIFEST} was altered: its SHA-256 differs from the one it records")
+    for key in ("step", "seed"):
+        if not is_count(manifest[key]):
+            raise CheckpointError(f"{where}: {MANIFEST} is malformed ({key} {manifest[key]!r} is not a "
+                                  "non-negative integer)")
     for file, expected in manifest["files"].items():
+        if not re.fullmatch(re.escape(str(manifest["folder"])) + r"/rank\d{5}\.npz", file):
+            raise CheckpointError(f"{where}: {MANIFEST} lists {file!r}, not a file of its folder")
         check_file(directory / file, expected, f"{where}: {file}")
     differences = [f"{key} {manifest['model'].get(key)!r} there, {value!r} here"
                    for key, value in identity.items() if manifest["model"].get(key) != value]
     if differences:
         raise CheckpointError(f"{where}: a checkpoint of another model ({', '.join(differences)})")
+    check_tensors(manifest, expected_tensors(cfg.optimizer, cfg.momentum, cfg.model, identity), where)
     if manifest["seed"] != cfg.seed:
         raise CheckpointError(f"{where}: saved with --seed {manifest['seed']}, and the data position "
                               f"is (seed, step): resume with --seed {manifest['seed']}")
+    changes = changed_settings(manifest, cfg)
+    if changes and not cfg.allow_changes:
+        listed = ", ".join(f"--{key.replace('_', '-')} {saved} there, {now} here"
+                           for key, (saved, now) in changes.items())
+        raise CheckpointError(f"{where}: the run changes {listed}; pass --allow-changes to resume so")
     if manifest["step"] > cfg.steps:
         raise CheckpointError(f"{where}: the checkpoint is at step {manifest['step']}, past --steps "
                               f"{cfg.steps} (--steps counts all steps, those before the checkpoint too)")
+
+
+def is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def expected_tensors(optimizer: str, momentum: float, model: str, identity: dict) -> dict:
+    """{name: (full shape, the kinds of arrays, the kinds of counts)} of the model and optimizer a
+    run resumes: what a checkpoint must hold for it (built on the full model, no weights drawn)."""
+    fields = {key: value for key, value in identity.items() if key not in ("model", "optimizer")}
+    net = GPT(GPTConfig(**fields), seed=None) if model == "gpt" else MLPNet(MLPConfig(**fields), seed=None)
+    rule = optim.SGD([], lr=1.0, momentum=momentum) if optimizer == "sgd" else optim.AdamW([], lr=1.0)
+    state = rule.init_state(1, "float64", np)
+    arrays = {"param"} | {kind for kind, value in state.items() if hasattr(value, "shape")}
+    counts = {kind for kind, value in state.items() if not hasattr(value, "shape")}
+    return {name: (tuple(p.full_shape), arrays, counts) for name, p in net.named_parameters()}
+
+
+def check_tensors(manifest: dict, expected: dict, where: str) -> None:
+    """Every tensor the run needs is there with its shape, all its kinds and counts, and pieces that
+    cover each element exactly once, each in a file the manifest lists (so verified above)."""
+    tensors = manifest["tensors"]
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{where}: the checkpoint has no tensor {missing[0]!r}")
+    for name, (shape, arrays, counts) in expected.items():
+        tensor, what = tensors[name], f"{where}: tensor {name!r}"
+        if not (isinstance(tensor["shape"], list) and all(is_count(n) for n in tensor["shape"])) \
+                or tuple(tensor["shape"]) != shape:
+            raise CheckpointError(f"{what} has shape {tensor['shape']}, the model's is {list(shape)}")
+        # the optimizer's state is made at its first step: all of it there, or none (steps skipped)
+        held = {kind for entry in tensor["pieces"] for kind in entry["kinds"]} | set(tensor["counts"])
+        state = (arrays | counts) - {"param"}
+        if held & state and state - held:
+            raise CheckpointError(f"{what}: its optimizer state {sorted(state - held)[0]!r} is missing")
+        for kind in sorted(counts & held):
+            if not is_count(tensor["counts"][kind]):
+                count = tensor["counts"][kind]
+                raise CheckpointError(f"{what}: its count {kind!r} is {count!r}, not a count")
+        for kind in sorted(arrays & held | {"param"}):
+            pieces = [entry for entry in tensor["pieces"] if kind in entry["kinds"]]
+            if not pieces:
+                raise CheckpointError(f"{what}: its {kind!r} is missing")
+            check_cover(pieces, shape, manifest["files"], f"{what} ({kind})")
+
+
+def check_cover(entries: list, shape: tuple, files: dict, what: str) -> None:
+    """The pieces of one kind together hold every element of the full tensor once, in listed files."""
+    numbered = np.arange(1, int(np.prod(shape)) + 1).reshape(shape)  # 0 marks a padding row
+    seen = np.zeros(numbered.size + 1, dtype=np.int64)
+    for entry in entries:
+        if entry["file"] not in files:
+            raise CheckpointError(f"{what}: a piece is in {entry['file']!r}, which the manifest does not "
+                                  "list")
+        try:
+            piece = Piece.from_json(entry, shape)
+            held = piece.cut(numbered).reshape(-1)
+            flat = piece.flat or (0, held.size)
+            valid = (piece.shard is None or 0 <= piece.shard.start < piece.shard.stop) and \
+                0 <= flat[0] < flat[1] <= int(np.prod(piece.local_shape())) and held.size == flat[1] - flat[0]
+        except (TypeError, ValueError, IndexError):
+            valid = False
+        if not valid:
+            where = f"{entry.get('shard')}, {entry.get('flat')}"
+            raise CheckpointError(f"{what}: a piece {where} is out of range")
+        np.add.at(seen, held, 1)
+    seen[0] = 1  # padding
+    if (seen != 1).any():
+        holes, twice = int((seen == 0).sum()), int((seen > 1).sum())
+        raise CheckpointError(f"{what}: its pieces leave {holes} elements out and hold {twice} twice")
 
 
 def check_file(path: Path, expected: dict, what: str) -> None:
@@ -270,10 +436,16 @@ class SavedState:
             file.close()
 
 
+def changes_on_resume(directory, cfg) -> dict:
+    """{option: [saved, now]}: the run settings a resume with --allow-changes changed (for the log)."""
+    manifest = json.loads((Path(directory) / MANIFEST).read_text())
+    return {key: list(pair) for key, pair in changed_settings(manifest, cfg).items()}
+
+
 def load(directory, engine) -> int:
     """Set the engine's state from the checkpoint in `directory`; return its step. No collective."""
     manifest = read_manifest(directory, engine.cfg, engine.model.config)
-    state = SavedState(Path(directory), manifest)
+    state = SavedState(base_of(Path(directory), manifest), manifest)
     try:
         engine.updater.load_logical(state)
     finally:

@@ -178,11 +178,23 @@ class Linear(Function):
         return gx, gw, gb
 
 
+def same_dtype(op: str, *operands) -> None:
+    """A matrix product of two dtypes is refused, as PyTorch refuses it: NumPy would promote the whole
+    product (and its gradients) to the wider type in silence, doubling the bytes of an fp32 model fed
+    float64 data. Elementwise ops promote, as in PyTorch."""
+    dtypes = [getattr(x, "dtype", None) for x in operands if x is not None]
+    if len(set(dtypes)) > 1:
+        named = " and ".join(map(str, dtypes))
+        raise TypeError(f"{op}: expected both operands to have the same dtype, got {named}")
+
+
 def matmul(a, b):
+    same_dtype("matmul", a, b)
     return MatMul.apply(a, b)
 
 
 def linear(x, weight, bias=None):
+    same_dtype("linear", x, weight, bias)
     return Linear.apply(x, weight, bias)
 
 

@@ -38,6 +38,7 @@ synchronisation, or the device arrays themselves when MPI is CUDA-aware (lessons
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -47,9 +48,18 @@ from mpi4py import MPI
 
 from minipar.core import backend
 from minipar.core.shards import shard_bounds, shard_sizes
+from minipar.dist.watchdog import watching
 
 REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
+def world_ranks(mpi_comm) -> list[int]:
+    """The COMM_WORLD ranks of a communicator's members, in its own rank order (a local call)."""
+    group, world = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
 
 
 def ring_bytes_sent(op: str, shard_nbytes: list[int], rank: int) -> int:
@@ -169,6 +179,7 @@ class Comm:
         self.size = mpi_comm.Get_size()
         # the node of each rank, in rank order (ProcessGrid knows them); None: all on one node
         self.nodes = list(nodes) if nodes is not None else None
+        self.world_ranks = world_ranks(mpi_comm)  # for the watchdog's line (watchdog.py)
 
     def link_to(self, peer: int) -> str:
         """"inter" when rank `peer` of this communicator is on another node than this rank, else "intra"."""
@@ -193,7 +204,8 @@ class Comm:
         """A new array of x's shape: the elementwise op ("sum", "max", "min") over all ranks."""
         send = _send_buffer(x)
         received = _receive_buffer(send.shape, send.dtype)
-        self.mpi.Allreduce(send, received, op=REDUCE_OPS[op])
+        with self.watch("all_reduce"):
+            self.mpi.Allreduce(send, received, op=REDUCE_OPS[op])
         self._charge_ring("all_reduce", shard_sizes(send.size, self.size), send.itemsize)
         return _device(received)
 
@@ -202,7 +214,8 @@ class Comm:
         send = _send_buffer(x).reshape(-1)
         counts = shard_sizes(send.size, self.size)
         received = _receive_buffer(counts[self.rank], send.dtype)
-        self.mpi.Reduce_scatter(send, received, recvcounts=counts, op=REDUCE_OPS[op])
+        with self.watch("reduce_scatter"):
+            self.mpi.Reduce_scatter(send, received, recvcounts=counts, op=REDUCE_OPS[op])
         self._charge_ring("reduce_scatter", counts, send.itemsize)
         return _device(received)
 
@@ -225,7 +238,8 @@ class Comm:
             flat = xp.concatenate([flat, xp.zeros(widest - flat.size, flat.dtype)])
         send = _send_buffer(flat)
         received = _receive_buffer((self.size, widest), send.dtype)
-        self.mpi.Allgather(send, received)
+        with self.watch("all_gather"):
+            self.mpi.Allgather(send, received)
         self._charge_ring("all_gather", counts, send.itemsize)
         if all(count == widest for count in counts):
             return _device(received.reshape(-1))
@@ -235,7 +249,8 @@ class Comm:
     def broadcast(self, x, root: int = 0):
         """A new array with root's x; every rank passes an x of the same shape and dtype."""
         buffer = _send_buffer(x, copy=True)  # a new buffer: the other ranks receive into it
-        self.mpi.Bcast(buffer, root=root)
+        with self.watch("broadcast"):
+            self.mpi.Bcast(buffer, root=root)
         forwarded = self.size > 1
         self.ledger.charge(self.name, "broadcast", buffer.nbytes if forwarded else 0, int(forwarded),
                            link=self.link_to(self.successor))
@@ -244,7 +259,8 @@ class Comm:
     def send(self, x, dest: int, tag: int = 0) -> None:
         """Blocking send of x to rank dest of this communicator."""
         buffer = _send_buffer(x)
-        self.mpi.Send(buffer, dest=dest, tag=tag)
+        with self.watch(f"send to rank {dest}"):
+            self.mpi.Send(buffer, dest=dest, tag=tag)
         self.ledger.charge(self.name, "send", buffer.nbytes, link=self.link_to(dest))
 
     def isend(self, x, dest: int, tag: int = 0):
@@ -269,11 +285,22 @@ class Comm:
     def recv(self, shape, dtype, source: int, tag: int = 0):
         """Blocking receive of an array of the given shape and dtype from rank source."""
         buffer = _receive_buffer(shape, dtype)
-        self.mpi.Recv(buffer, source=source, tag=tag)
+        with self.watch(f"recv from rank {source}"):
+            self.mpi.Recv(buffer, source=source, tag=tag)
         return _device(buffer)
 
     def barrier(self) -> None:
-        self.mpi.Barrier()
+        with self.watch("barrier"):
+            self.mpi.Barrier()
+
+    def watch(self, op: str):
+        """The context of one blocking call on this communicator, watched by the watchdog."""
+        return watching(op, self.name, self.world_ranks, MPI.COMM_WORLD.Get_rank())
+
+    def wait(self, request, op: str) -> None:
+        """Wait for a request on this communicator under the watchdog (e.g. a pipeline's isend)."""
+        with self.watch(op):
+            request.Wait()
 
     def split(self, color: int, key: int, name: str, nodes: list[str] | None = None) -> Comm:
         """Sub-communicator of the ranks with the same color, ordered by key, sharing this ledger;
@@ -282,17 +309,21 @@ class Comm:
 
     # Uncharged control messages: small Python objects, pickled.
     def allreduce_obj(self, obj, op: str = "sum"):
-        return self.mpi.allreduce(obj, op=REDUCE_OPS[op])
+        with self.watch("allreduce_obj"):
+            return self.mpi.allreduce(obj, op=REDUCE_OPS[op])
 
     def bcast_obj(self, obj, root: int = 0):
-        return self.mpi.bcast(obj, root=root)
+        with self.watch("bcast_obj"):
+            return self.mpi.bcast(obj, root=root)
 
     def gather_obj(self, obj, root: int = 0):
         """List of every rank's obj on root, None elsewhere."""
-        return self.mpi.gather(obj, root=root)
+        with self.watch("gather_obj"):
+            return self.mpi.gather(obj, root=root)
 
     def allgather_obj(self, obj) -> list:
-        return self.mpi.allgather(obj)
+        with self.watch("allgather_obj"):
+            return self.mpi.allgather(obj)
 
 
 class ProcessGrid:
@@ -391,12 +422,15 @@ def inject_fault(rank: int, what: str, **where) -> None:
     """Raise on `rank` if MINIPAR_FAULT names this place: tests that a job losing a rank ends cleanly.
 
     MINIPAR_FAULT=rank:R,step:S raises on rank R at step S (trainer/loop.py: where = step=S);
+    rank:R,step:S,stall:stop stops that rank there instead (SIGSTOP: the watchdog's test);
     rank:R,save:PHASE raises on rank R halfway through writing its checkpoint file (PHASE shard) or the
     manifest (PHASE manifest, checkpoint/sharded.py: where = save=PHASE). `what` says where, in the error."""
     spec = os.environ.get("MINIPAR_FAULT", "")
     fault = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)
     named = {"rank": rank, **where}
     if where and all(fault.get(key) == str(value) for key, value in named.items()):
+        if fault.get("stall") == "stop":  # rank:R,step:S,stall:stop: this rank stops, as if hung
+            os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError(f"injected fault on rank {rank} {what} (MINIPAR_FAULT={spec})")
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+import os
 import shutil
 import tempfile
 import weakref
@@ -53,7 +54,11 @@ class DiskTier:
 
     Each file is created already unlinked (`tempfile.TemporaryFile`) and the folder is removed as soon
     as the files exist, even if creating them fails: nothing is left on disk whatever happens to the
-    process, since the system frees an unlinked file's space when its last handle closes."""
+    process, since the system frees an unlinked file's space when its last handle closes.
+
+    Each file's blocks are reserved on disk when made (posix_fallocate): a memmap over a sparse file
+    on a full disk dies of SIGBUS at the first write it cannot store; a reservation fails at once,
+    with ENOSPC, as an OSError naming the folder."""
 
     def __init__(self, shapes: dict, parent: str | None = None):
         self.folder = tempfile.mkdtemp(prefix="minipar-offload-", dir=parent)
@@ -61,6 +66,7 @@ class DiskTier:
         try:
             for key, (shape, dtype) in shapes.items():
                 self.files.append(tempfile.TemporaryFile(dir=self.folder))
+                reserve(self.files[-1], int(np.prod(shape)) * np.dtype(dtype).itemsize, parent)
                 self.arrays[key] = np.memmap(self.files[-1], dtype=dtype, mode="w+", shape=shape)
         except BaseException:
             self.close()
@@ -72,6 +78,17 @@ class DiskTier:
     def close(self):
         self.arrays = {}
         _close_files(self.files)
+
+
+def reserve(file, nbytes: int, parent: str | None) -> None:
+    """Allocate the file's blocks now, so that a full disk is an error here and not a bus error later."""
+    if nbytes and hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(file.fileno(), 0, nbytes)
+        except OSError as error:
+            where = parent or tempfile.gettempdir()
+            raise OSError(error.errno, f"--offload disk: cannot reserve {nbytes} bytes in {where} "
+                          f"({error.strerror})") from None
 
 
 def _close_files(files):
@@ -92,9 +109,11 @@ class TieredStore:
     """Blocks in device, cpu and disk tiers under a device byte budget, moved on use, with eviction."""
 
     def __init__(self, blocks: dict, budget_bytes: float | None, lower_tier: str | None, policy: str = "opt",
-                 others=lambda: 0, report=None, prefetch: bool = True, tracer: MemoryTracer | None = None):
+                 others=lambda: 0, report=None, prefetch: bool = True, tracer: MemoryTracer | None = None,
+                 disk_folder: str | None = None):
         """blocks: {key: (array, category)}, all on the device to start with. `tracer`: place by the
-        first step's memory trace (None: by the budget alone, the static placement)."""
+        first step's memory trace (None: by the budget alone, the static placement); `disk_folder`:
+        where --offload disk's files go (None: the system's temporary folder)."""
         if lower_tier not in (None, "cpu", "disk") or policy not in POLICIES:
             raise ValueError(f"lower tier {lower_tier!r}, policy {policy!r}: choose cpu or disk, lru or opt")
         self.backend = backend.current()
@@ -102,7 +121,7 @@ class TieredStore:
         self.lower, self.policy, self.others, self.report = lower_tier, policy, others, report
         self.prefetching, self.tracer = prefetch, tracer
         shapes = {key: (array.shape, array.dtype) for key, (array, _) in blocks.items()}
-        self.disk = DiskTier(shapes) if lower_tier == "disk" else None
+        self.disk = DiskTier(shapes, disk_folder) if lower_tier == "disk" else None
         self.blocks = {key: Block(key, a, category, "device") for key, (a, category) in blocks.items()}
         self.pinned = Counter()
         self.trace, self.recording, self.positions = [], True, {}  # the accesses of the first step

@@ -201,7 +201,7 @@ class PipelineRunner(Runner):
             else:
                 self.weight_gradients(action)
         for request in self.pending_sends:
-            request.Wait()
+            self.comm.wait(request, "send")
         self.record_timing(time.perf_counter() - started)
         return self.loss_sum
 

@@ -47,7 +47,8 @@ class ChunkedZero3(Updater):
     """Updater and model wrapper: ZeRO-3 whose unit of communication and of offload is the chunk."""
 
     def __init__(self, model, optimizer, comm, chunk_numel: int, budget_bytes: float | str | None = None,
-                 offload: str = "none", eviction: str = "opt", traced: bool = True, least_bytes: int = 0):
+                 offload: str = "none", eviction: str = "opt", traced: bool = True, least_bytes: int = 0,
+                 disk_folder: str | None = None):
         """budget_bytes: a number, None (no budget) or AUTO (the least the warm-up needs); traced: place
         by the warm-up's memory trace (Gemini), else by the budget alone; least_bytes: a floor for the
         least budget (the up-front estimate of size_errors, so that the figure it names passes it)."""
@@ -77,7 +78,7 @@ class ChunkedZero3(Updater):
         assert not isinstance(budget, str), f"a budget in bytes, None or {AUTO!r}, not {budget!r}"
         self.store = TieredStore(blocks, budget, lower, eviction,
                                  others=lambda: autograd.activation_meter.current + buffer_meter.current,
-                                 report=tier_meter.set, tracer=self.tracer)
+                                 report=tier_meter.set, tracer=self.tracer, disk_folder=disk_folder)
         for chunk in self.chunks:
             for tensor in chunk.tensors:
                 tensor.param.data = self.freed
@@ -340,4 +341,5 @@ def build_chunked_zero3(cfg, grid, model, optimizer) -> ChunkedZero3:
     chunk_numel = chunk_numel_for(cfg, model, grid.dp_cp.size)
     least = device_bytes_needed(model, chunk_numel, grid.dp_cp.size, state_rows(optimizer), cfg.offload)
     return ChunkedZero3(model, optimizer, grid.dp_cp, chunk_numel, budget, cfg.offload, cfg.eviction,
-                        traced=not cfg.static_placement, least_bytes=least)
+                        traced=not cfg.static_placement, least_bytes=least,
+                        disk_folder=cfg.offload_dir)

@@ -36,12 +36,13 @@ LOW_PRECISIONS = ("bf16", "fp16")
 
 def rounding_every_op(round_to):
     """The cast for `autograd.cast_outputs`: round float arrays to the 16-bit format, but keep 0-d
-    results (the loss and its scaling) in fp32 and leave integer arrays alone."""
+    results (the loss and its scaling) in fp32 and leave integer arrays alone. The rounded values
+    keep the array's dtype, like the working weights: a matrix product takes one dtype (tensor_ops)."""
 
     def cast(array):
         if array.ndim == 0 or array.dtype.kind != "f":
             return array
-        return round_to(array)
+        return round_to(array).astype(array.dtype, copy=False)
 
     return cast
 

@@ -8,10 +8,14 @@ minipar command) and prints the table, chart or JSON. Lessons: 04_zero.md, 06_pi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
+import sys
 from fractions import Fraction
 
+from minipar.checkpoint import sharded as checkpoint
 from minipar.memory import planner
 from minipar.memory.tracer import BudgetTooSmall
 from minipar.parallel import schedules
@@ -22,24 +26,62 @@ from minipar.trainer.validate import validate
 
 
 def train_main(argv: list[str]) -> int:
-    """Parse and validate on every rank (no collective before the verdict), then train."""
-    cfg = parse_train_args(argv)
+    """Parse and validate on every rank, combine the verdicts (the one collective before them), train."""
     from mpi4py import MPI
 
-    world_size = MPI.COMM_WORLD.Get_size()
-    errors = validate(cfg, world_size)
-    if errors:
-        return fail("minipar train", "; ".join(errors))
+    world = MPI.COMM_WORLD
+    cfg, errors, code = _own_verdict(argv, world.Get_size(), world.Get_rank())
+    verdicts = world.allgather(errors)  # ranks may disagree (their environment, their files): all learn
+    failed = [(rank, message) for rank, message in enumerate(verdicts) if message]
+    if failed or code is not None:
+        if failed and not errors:
+            rank, message = failed[0]
+            return fail("minipar train", f"{message} (on rank {rank})")
+        return fail("minipar train", errors) if errors else int(code or 0)
     from minipar.dist.comm import install_excepthook, wait_for_everyone
+    from minipar.dist.watchdog import WATCHDOG
     from minipar.trainer import loop as train
 
     install_excepthook()
+    WATCHDOG.catch_interrupts()  # Ctrl-C reaches a rank blocked in MPI too (dist/watchdog.py)
     try:
-        train.train(cfg.resolved(world_size))
-    except BudgetTooSmall as refusal:  # every rank reached it together, after the warm-up step
-        return fail("minipar train", str(refusal))
-    wait_for_everyone(MPI.COMM_WORLD)  # e.g. while rank 0 alone runs --check-reference
-    return 0
+        try:
+            train.train(cfg.resolved(world.Get_size()))
+            stopped = None
+        except train.RunStopped as reason:  # every rank at one step, or rank 0 alone at the end
+            stopped = str(reason)
+        except BudgetTooSmall as refusal:  # every rank reached it together, after the warm-up step
+            return fail("minipar train", str(refusal))
+        wait_for_everyone(world)  # e.g. while rank 0 alone runs --check-reference
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line each, the shell's code for SIGINT
+        return interrupted(world.Get_rank())
+    if stopped is None:
+        return 0
+    if world.Get_rank() == 0:  # one line: not a mistake in the input, so exit 1, not 2
+        fail("minipar train", stopped)
+    return 1
+
+
+def _own_verdict(argv: list[str], world_size: int, rank: int):
+    """(config, "" or this rank's one-line errors, None or the exit code of --help) without a
+    collective. A usage error is captured rather than printed, so the verdicts can be combined."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            cfg = parse_train_args(argv)
+    except SystemExit as exit_request:
+        message = captured.getvalue().strip().removeprefix("minipar train: error: ")
+        return None, message if exit_request.code else "", exit_request.code
+    errors = validate(cfg, world_size)
+    if not errors and rank == 0 and cfg.save is not None:
+        errors = checkpoint.lock_problems(cfg.save)  # held by rank 0 until this process ends
+    return cfg, "; ".join(errors), None
+
+
+def interrupted(rank: int) -> int:
+    sys.stderr.write(f"minipar train: interrupted (rank {rank})\n")
+    sys.stderr.flush()
+    return 130
 
 
 # ---- minipar plan ------------------------------------------------------------------------------------

@@ -76,6 +76,9 @@ class TrainConfig:
     eviction: str = option("opt", "offload's eviction policy", POLICIES)
     static_placement: bool = option(False, "chunked ZeRO-3: place blocks by the budget alone, without "
                                     "the warm-up step's memory trace", single_process=False)
+    offload_dir: str | None = option(None, "folder of --offload disk's files (default: the system's "
+                                     "temporary folder); its free space is checked up front",
+                                     single_process=None)
     steps: int = option(60, "total steps (a resumed run continues to it)")
     batch_size: int = option(16, "global batch (sequences)")
     seq_len: int = option(32, "tokens per sequence (the GPT's context)")
@@ -95,7 +98,17 @@ class TrainConfig:
     fused: bool = option(False, "AdamW and GELU through the fusion interpreter")
     log: str | None = option(None, "JSON-lines log written by rank 0", single_process=None)
     save: str | None = option(None, "checkpoint directory written at the end", single_process=None)
+    save_every: int | None = option(None, "with --save: also save after every N-th step",
+                                    single_process=None)
+    keep_last: int | None = option(None, "with --save: keep the K newest checkpoints (default: 1)",
+                                   single_process=None)
     resume: str | None = option(None, "checkpoint directory to continue from", single_process=None)
+    allow_changes: bool = option(False, "--resume with another --lr, --weight-decay or --batch-size "
+                                 "than the checkpoint's (logged)", single_process=False)
+    collective_timeout: float | None = option(None, "seconds a rank may wait in one collective or "
+                                              "pipeline receive before the job ends (the watchdog; "
+                                              "default: $MINIPAR_COLLECTIVE_TIMEOUT if set, else 600)",
+                                              single_process=None)
     check_reference: bool = option(False, "also run single-process on rank 0 and report the largest "
                                    "deviation", single_process=False)
     quiet: bool = option(False, "no progress lines or summary from rank 0 (errors still print)",

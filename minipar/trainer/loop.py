@@ -9,6 +9,7 @@ Lesson: lessons/00_overview.md.
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import numpy as np
@@ -16,6 +17,7 @@ import numpy as np
 from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend
 from minipar.dist.comm import Comm, ProcessGrid, inject_fault, node_local_rank
+from minipar.dist.watchdog import set_collective_timeout
 from minipar.memory.ledger import MemoryLedger
 from minipar.trainer import build, report
 from minipar.trainer.config import TrainConfig
@@ -27,7 +29,23 @@ def make_task(cfg: TrainConfig):
     if cfg.model == "gpt":
         return AdditionTask(cfg.seq_len, cfg.seed)
     mcfg = build.model_config(cfg)
-    return RegressionTask(mcfg.d_in, mcfg.d_out, cfg.seed)
+    return RegressionTask(mcfg.d_in, mcfg.d_out, cfg.seed, cfg.dtype)  # batches in the model's dtype
+
+
+class RunStopped(Exception):
+    """The run ended early for a reason one line says (a loss that is not finite, a log that could
+    not be written); `minipar train` prints it on rank 0 and exits 1."""
+
+
+def strict_json(value):
+    """The record as strict JSON can hold it: a number that is not finite becomes null."""
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 class Trainer:
@@ -39,6 +57,8 @@ class Trainer:
         local_rank = node_local_rank(world) if cfg.backend == "cupy" and world.Get_size() > 1 else None
         backend.set_backend(cfg.backend, local_rank=local_rank)
         self.cfg = cfg
+        if cfg.collective_timeout is not None:
+            set_collective_timeout(cfg.collective_timeout)
         self.world = Comm(world)
         self.grid = ProcessGrid(self.world, cfg.dp, cfg.pp, cfg.tp, cfg.cp)
         self.memory = MemoryLedger()
@@ -48,7 +68,13 @@ class Trainer:
         self.task = make_task(cfg)
         # --resume: the state of step N from a checkpoint of any layout; the run continues at step N
         self.start_step = checkpoint.load(cfg.resume, self.engine) if cfg.resume else 0
-        self.records = []
+        self.records: list[dict] = []
+        # --allow-changes: what the resumed run changes (lr, weight decay, batch), in its first record
+        self.changes = checkpoint.changes_on_resume(cfg.resume, cfg) if cfg.resume else {}
+        if self.changes and self.is_rank0 and not cfg.quiet:
+            changed = ", ".join(f"{key} {saved} -> {now}" for key, (saved, now) in self.changes.items())
+            print(f"resumed with changes: {changed}", flush=True)
+        self.log_error: str | None = None  # a failed write to --log: reported once the run is saved
 
     @property
     def is_rank0(self) -> bool:
@@ -85,23 +111,35 @@ class Trainer:
         return record
 
     def run(self) -> list[dict]:
-        log = None  # opened after the first step: a run refused after its warm-up step writes nothing
+        """Train from start_step to cfg.steps; save every --save-every steps and at the end.
+
+        A loss that is not finite (the same on every rank: it is the global loss) stops every rank
+        at that step, without saving; a failed log write stops the log, not the run. The log is
+        opened after the first step: a run refused after its warm-up step (memory/tracer.py) writes
+        nothing."""
+        log, log_opened = None, False
         try:
             for step in range(self.start_step, self.cfg.steps):
                 record = self.step(step)
+                if self.changes and step == self.start_step:
+                    record["changed_on_resume"] = self.changes
                 self.records.append(record)
-                if self.cfg.log and self.is_rank0:
-                    log = log or open(self.cfg.log, "a" if self.cfg.resume else "w")
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
+                if not log_opened:
+                    log, log_opened = self.open_log(), True
+                log = self.write(log, record)
+                if not math.isfinite(record["loss"]):
+                    raise RunStopped(f"loss is not finite at step {step} ({record['loss']})")
                 if step == self.start_step:
                     self.say_budget(record)
                 self.progress(record)
+                done = step + 1
+                if self.cfg.save and self.cfg.save_every and done % self.cfg.save_every == 0 \
+                        and done < self.cfg.steps:
+                    self.save(done)
         finally:
-            if log:
-                log.close()
+            self.close_log(log)
         if self.cfg.save:
-            checkpoint.save(self.cfg.save, self.engine, self.cfg.steps)
+            self.save(self.cfg.steps)
         return self.records
 
     def say_budget(self, record: dict):
@@ -109,6 +147,41 @@ class Trainer:
         if self.is_rank0 and not self.cfg.quiet and self.cfg.device_mem_mb == "auto":
             print(f"--device-mem-mb auto: {record['offload']['budget_bytes'] / 2**20:.4f} MiB, the least "
                   "the warm-up step needs", flush=True)
+
+    def save(self, step: int) -> None:
+        checkpoint.save(self.cfg.save, self.engine, step, keep=self.cfg.keep_last or 1)
+
+    def open_log(self):
+        if not (self.cfg.log and self.is_rank0):
+            return None
+        try:
+            return open(self.cfg.log, "a" if self.cfg.resume else "w")
+        except OSError as error:
+            self.log_error = f"--log {self.cfg.log}: cannot open it ({error.strerror}); trained without a log"
+            return None
+
+    def write(self, log, record: dict):
+        """One strict-JSON line (json.dumps would write a bare NaN); on failure, the log is closed."""
+        if log is None:
+            return None
+        try:
+            log.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+            log.flush()
+            return log
+        except OSError as error:
+            step = record["step"]
+            self.log_error = (f"--log {self.cfg.log}: writing step {step} failed ({error.strerror}); "
+                              "training went on, and the log ends before that step")
+            self.close_log(log)
+            return None
+
+    def close_log(self, log) -> None:
+        if log is None:
+            return
+        try:
+            log.close()
+        except OSError as error:  # the last buffered bytes did not reach the file
+            self.log_error = self.log_error or f"--log {self.cfg.log}: closing it failed ({error.strerror})"
 
     def progress(self, record: dict):
         every, step = max(1, self.cfg.steps // 10), record["step"]
@@ -166,4 +239,6 @@ def train(cfg: TrainConfig, world=None) -> list[dict]:
     check = compare_with_reference(cfg, records, full) if trainer.is_rank0 and cfg.check_reference else None
     if trainer.is_rank0 and not cfg.quiet and records:
         print(report.summary(cfg, records, rank_rows, check), flush=True)
+    if trainer.log_error:  # rank 0 only: after the checkpoint and the other ranks' last collective
+        raise RunStopped(trainer.log_error)
     return records

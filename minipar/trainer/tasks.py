@@ -53,14 +53,15 @@ class AdditionTask:
 class RegressionTask:
     """Inputs x ~ N(0, 1) and targets tanh(x W) with a fixed random W: a smooth target an MLP fits."""
 
-    def __init__(self, d_in: int, d_out: int, seed: int):
-        self.seed = seed
+    def __init__(self, d_in: int, d_out: int, seed: int, dtype: str = "float64"):
+        self.seed, self.dtype = seed, dtype
         self.weight = np.random.default_rng([seed, 2]).standard_normal((d_in, d_out)) / np.sqrt(d_in)
 
     def global_batch(self, step: int, batch_size: int):
+        """Drawn in float64 whatever the dtype, then cast: fp32 and fp64 runs see the same numbers."""
         rng = np.random.default_rng([self.seed, step, 3])
         x = rng.standard_normal((batch_size, self.weight.shape[0]))
-        return x, np.tanh(2.0 * x @ self.weight)
+        return x.astype(self.dtype), np.tanh(2.0 * x @ self.weight).astype(self.dtype)
 
 
 def local_slice(batch_size: int, parts: int, index: int) -> slice:

@@ -10,7 +10,10 @@ layout against the world size, and the paths. Lesson: lessons/12_reliability.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from minipar.checkpoint import sharded as checkpoint
@@ -23,10 +26,11 @@ from minipar.trainer.config import TrainConfig
 
 def validate(cfg: TrainConfig, world_size: int) -> list[str]:
     """All the problems with this configuration for this world size, as one-line messages."""
-    errors = _positive(cfg) + _choices(cfg)
+    errors = (_finite(cfg) or _positive(cfg)) + _choices(cfg) + _empty_paths(cfg)
     if errors:
         return errors
     errors = _layout(cfg.resolved(world_size), world_size) + mixed.config_errors(cfg) + _backend(cfg)
+    errors = errors or _memory(cfg.resolved(world_size)) or _offload_dir(cfg)
     return errors or _chunked(cfg.resolved(world_size)) or _paths(cfg)
 
 
@@ -41,13 +45,38 @@ def _positive(cfg: TrainConfig) -> list[str]:
               for n in names if getattr(cfg, n) < 1]
     if cfg.dp is not None and cfg.dp < 1:
         errors.append(f"--dp must be a positive integer, got {cfg.dp}")
-    if cfg.lr <= 0:
+    for name in ("save_every", "keep_last"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            errors.append(f"{_flag(name)} must be a positive integer, got {getattr(cfg, name)}")
+    if cfg.collective_timeout is not None and not cfg.collective_timeout > 0:
+        errors.append(f"--collective-timeout must be positive, got {cfg.collective_timeout}")
+    if cfg.seed < 0:  # numpy's generators take non-negative seeds only
+        errors.append(f"--seed must be a non-negative integer, got {cfg.seed}")
+    if not cfg.lr > 0:  # `not >` so that nan is refused too
         errors.append(f"--lr must be positive, got {cfg.lr}")
-    if cfg.bucket_mb <= 0:
+    if not cfg.weight_decay >= 0:
+        errors.append(f"--weight-decay must be at least 0, got {cfg.weight_decay}")
+    if not cfg.bucket_mb > 0:
         errors.append(f"--bucket-mb must be positive, got {cfg.bucket_mb}")
     if not 0 <= cfg.momentum < 1:  # 1 and more: the buffer never forgets, and the steps grow without end
         errors.append(f"--momentum must be at least 0 and below 1, got {cfg.momentum}")
     return errors
+
+
+def _finite(cfg: TrainConfig) -> list[str]:
+    """Every float option is a finite number: nan passes no comparison and inf no size."""
+    return [f"{_flag(field.name)} must be a finite number, got {getattr(cfg, field.name)}"
+            for field in dataclasses.fields(TrainConfig)
+            if isinstance(getattr(cfg, field.name), float) and not math.isfinite(getattr(cfg, field.name))]
+
+
+def _empty_paths(cfg: TrainConfig) -> list[str]:
+    """--save '' would save nothing and --resume '' would name the current folder: neither is meant."""
+    return [f"{_flag(name)} needs a path, got an empty string" for name in PATH_OPTIONS
+            if getattr(cfg, name) is not None and not str(getattr(cfg, name)).strip()]
+
+
+PATH_OPTIONS = ("log", "save", "resume", "offload_dir")
 
 
 def _choices(cfg: TrainConfig) -> list[str]:
@@ -90,6 +119,35 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
     return errors
 
 
+def estimated_bytes(cfg: TrainConfig) -> int:
+    """A lower bound on the bytes one rank needs: its share of the model states (parameters, gradients
+    and two optimizer rows, as if fully sharded) and one micro-batch's activations (a few (T, d) rows
+    and the (T, T) attention scores per block, divided by tp). Computed from the options alone, so a
+    size that would take hours to allocate is refused at once."""
+    itemsize = 8 if cfg.precision == "fp64" else 4
+    d, layers = cfg.d_model, cfg.n_layer
+    if cfg.model == "gpt":
+        params = layers * 12 * d * d + (2 * 13 + cfg.seq_len) * d
+        rows = cfg.batch_size // (cfg.dp * cfg.microbatches) * cfg.seq_len
+        activations = layers * rows * (16 * d + 2 * cfg.n_head * cfg.seq_len) // (cfg.tp * cfg.pp)
+    else:
+        params, activations = layers * d * d, layers * cfg.batch_size * d
+    return int(4 * params * itemsize // (cfg.dp * cfg.tp * cfg.pp) + activations * itemsize)
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _memory(cfg: TrainConfig) -> list[str]:
+    needed, available = estimated_bytes(cfg), physical_memory_bytes()
+    if needed <= available:
+        return []
+    return [f"the model and batch need at least {needed / 2**30:,.1f} GiB per rank (--n-layer {cfg.n_layer} "
+            f"--d-model {cfg.d_model} --seq-len {cfg.seq_len} --batch-size {cfg.batch_size}), more than "
+            f"this machine's {available / 2**30:,.1f} GiB"]
+
+
 def _backend(cfg: TrainConfig) -> list[str]:
     """--backend cupy needs CuPy and a GPU on this rank (backend.py); numpy always runs."""
     reason = backend.unavailable(cfg.backend) if cfg.backend == "cupy" else None
@@ -101,12 +159,37 @@ def _chunked(cfg: TrainConfig) -> list[str]:
     if cfg.offload == "none" and cfg.chunk_mb is None and cfg.device_mem_mb is None:
         return []
     errors = zero_chunked.config_errors(cfg)
+    if cfg.chunk_mb is not None and cfg.chunk_mb * 2**20 > physical_memory_bytes():
+        errors.append(f"--chunk-mb {cfg.chunk_mb:g} is more than this machine's memory "
+                      f"({physical_memory_bytes() / 2**20:,.0f} MiB)")
     if errors:
         return errors
     replicas = cfg.replace(dp=cfg.dp * cfg.cp, cp=1)  # with --cp it shards over dp x cp (grid.dp_cp)
     # the whole model one rank would gather, built as a plain single-process run builds it (no grid)
     model = build_model(replicas.replace(zero=0, offload="none", chunk_mb=None, device_mem_mb=None), None)
-    return zero_chunked.size_errors(replicas, model, build_optimizer(cfg, []))
+    return zero_chunked.size_errors(replicas, model, build_optimizer(cfg, [])) or _disk_space(cfg, model)
+
+
+def _offload_dir(cfg: TrainConfig) -> list[str]:
+    if cfg.offload_dir is None:
+        return []
+    if cfg.offload != "disk":
+        return [f"--offload-dir {cfg.offload_dir} needs --offload disk"]
+    return _writable("--offload-dir", cfg.offload_dir, Path(cfg.offload_dir))
+
+
+def _disk_space(cfg: TrainConfig, model) -> list[str]:
+    """--offload disk may put every block there: the ranks together need the whole model's states
+    (parameters, gradients, two optimizer rows) in the folder, which offload.py also reserves."""
+    if cfg.offload != "disk":
+        return []
+    folder = cfg.offload_dir or tempfile.gettempdir()
+    needed = 4 * sum(p.size for p in model.parameters()) * (8 if cfg.precision == "fp64" else 4)
+    free = shutil.disk_usage(folder).free
+    if needed <= free:
+        return []
+    return [f"--offload disk needs {needed / 2**20:,.1f} MiB in {folder}, which has {free / 2**20:,.1f} MiB "
+            "free (choose another folder with --offload-dir)"]
 
 
 def _paths(cfg: TrainConfig) -> list[str]:
@@ -116,6 +199,8 @@ def _paths(cfg: TrainConfig) -> list[str]:
         errors.append(f"--log {cfg.log} is a directory, not a file")
     elif cfg.log is not None:
         errors += _writable("--log", cfg.log, Path(cfg.log).parent)  # the log's folder must exist
+    if cfg.save is None and (cfg.save_every is not None or cfg.keep_last is not None):
+        errors.append("--save-every and --keep-last need --save DIR")
     if cfg.save is not None and Path(cfg.save).exists() and not Path(cfg.save).is_dir():
         errors.append(f"--save {cfg.save} is a file, not a directory")
     elif cfg.save is not None:

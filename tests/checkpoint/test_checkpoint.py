@@ -176,7 +176,9 @@ def test_a_checkpoint_of_another_model_or_run_is_refused(saved, changes, message
 
 
 def test_precision_and_layout_are_not_part_of_the_model(saved):
-    assert validate(TINY.replace(resume=str(saved), precision="fp32", batch_size=4), 1) == []
+    # the global batch is a run setting since the second reliability round: it needs --allow-changes
+    assert validate(TINY.replace(resume=str(saved), precision="fp32", batch_size=4, allow_changes=True),
+                    1) == []
 
 
 # ---- resume in another layout, world size included: multi-rank ---------------------------------------
