@@ -278,8 +278,9 @@ class Comm:
         Charged like send (x's bytes, to the sender)."""
         send = _send_buffer(x)
         received = _receive_buffer(send.shape, send.dtype)
-        self.mpi.Sendrecv(send, dest=dest, sendtag=tag, recvbuf=received, source=source, recvtag=tag)
-        self.ledger.charge(self.name, "send", send.nbytes)
+        with self.watch(f"sendrecv to rank {dest}, from rank {source}"):
+            self.mpi.Sendrecv(send, dest=dest, sendtag=tag, recvbuf=received, source=source, recvtag=tag)
+        self.ledger.charge(self.name, "send", send.nbytes, link=self.link_to(dest))
         return _device(received)
 
     def recv(self, shape, dtype, source: int, tag: int = 0):
