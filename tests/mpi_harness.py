@@ -33,23 +33,42 @@ Rules:
   stuck in a collective it skipped), it prints its traceback and aborts the whole job: a clear
   failure in seconds instead of a hang until the timeout.
 - Filter inputs in the strategies, not with hypothesis.assume() in the body.
+
+Reproducible draws: rank 0's hypothesis is derandomized (its examples are a function of the test's
+name), so a run draws the same examples as the last one and a failure found once comes back. Set
+MINIPAR_HYPOTHESIS_SEED=N to draw another fixed set (the seed is printed with each failure). Edge
+cases random draws can miss are written out, each with the world sizes where it can run:
+`mpi_given(..., examples=[at_world_size((4, 8), n=7)])`. Failing examples are not shrunk where
+`shrink=False` (a body that trains for seconds would shrink for minutes), and hypothesis's explain
+phase, which reruns the body many times more, is off.
+
+Deadlock watchdog: one example (or one mpi_test) that runs past DEADLOCK_S seconds (environment
+variable MINIPAR_TEST_DEADLOCK_S, default 60) prints, on every rank, which test it is and every
+thread's stack (faulthandler), then aborts the job: a hang fails in a minute, not at pytest's 300 s
+timeout. conftest.py also sets MINIPAR_COLLECTIVE_TIMEOUT (the reliability layer's limit on one
+collective, default 30 s here) unless the environment already sets it.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import inspect
 import os
 import sys
+import threading
 import time
 import traceback
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import seed as hypothesis_seed
 from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 GRACE_S = float(os.environ.get("MINIPAR_TEST_GRACE_S", "30"))
+DEADLOCK_S = float(os.environ.get("MINIPAR_TEST_DEADLOCK_S", "60"))
+HYPOTHESIS_SEED = os.environ.get("MINIPAR_HYPOTHESIS_SEED")
 _harness = WORLD.Dup()  # the harness's own messages never meet a test's
 _abort_report = sys.stderr  # replaced by keep_terminal_stderr(), since pytest captures sys.stderr
 
@@ -71,7 +90,22 @@ def needs_world_size(*sizes: int):
                               reason=f"needs a world size in {sizes}, this one is {WORLD.size}")
 
 
+def _abort_on_deadlock(what: str) -> None:
+    """What the watchdog does when a body has run past DEADLOCK_S: every thread's stack, then abort."""
+    _abort_report.write(f"[rank {WORLD.rank}] {what} still running after {DEADLOCK_S:g} s "
+                        "(MINIPAR_TEST_DEADLOCK_S): a deadlock? Every thread's stack on this rank:\n")
+    _abort_report.flush()
+    faulthandler.dump_traceback(file=_abort_report, all_threads=True)
+    _abort_report.flush()
+    time.sleep(2)  # every rank's watchdog fires about now: let the others print before the abort
+    WORLD.Abort(1)
+
+
 def _outcome_of(body) -> tuple[str, str]:
+    # a timer thread: a rank blocked in MPI releases the GIL, so the watchdog still runs
+    watchdog = threading.Timer(DEADLOCK_S, _abort_on_deadlock, args=(_current_test(),))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         body()
     except (KeyboardInterrupt, SystemExit):
@@ -80,7 +114,18 @@ def _outcome_of(body) -> tuple[str, str]:
         return "skipped", str(skip)
     except BaseException:
         return "failed", traceback.format_exc()
+    finally:
+        watchdog.cancel()
     return "passed", ""
+
+
+def _current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "a test").rsplit(" ", 1)[0]
+
+
+def at_world_size(sizes, **arguments) -> tuple:
+    """An explicit example for mpi_given, run only where the world size is one of `sizes`."""
+    return tuple(sizes), arguments
 
 
 def _wait_for_every_rank(outcome: tuple[str, str]) -> None:
@@ -125,8 +170,12 @@ def mpi_test(test):
     return pytest.mark.mpi(run_on_every_rank)
 
 
-def mpi_given(max_examples: int = 10, **strategies):
-    """Decorator: a multi-rank hypothesis test (marks it `mpi`); rank 0 draws, every rank runs."""
+def mpi_given(max_examples: int = 10, examples=(), shrink: bool = True, **strategies):
+    """Decorator: a multi-rank hypothesis test (marks it `mpi`); rank 0 draws, every rank runs.
+
+    `examples`: `at_world_size(sizes, **arguments)` entries, run first where the world size fits.
+    `shrink=False`: report the first failing example as drawn (for bodies that take seconds)."""
+    chosen = [arguments for sizes, arguments in examples if WORLD.size in sizes]
 
     def decorate(test):
         signature = inspect.signature(test)
@@ -136,7 +185,7 @@ def mpi_given(max_examples: int = 10, **strategies):
         def run_property(**fixtures):
             body = functools.partial(test, **fixtures)
             if WORLD.rank == 0:
-                _draw_and_broadcast(body, test.__name__, strategies, max_examples)
+                _draw_and_broadcast(body, test.__name__, strategies, max_examples, chosen, shrink)
             else:
                 _follow_rank_0(body)
 
@@ -146,18 +195,31 @@ def mpi_given(max_examples: int = 10, **strategies):
     return decorate
 
 
-def _draw_and_broadcast(body, name: str, strategies: dict, max_examples: int) -> None:
-    def run_example(**example):
-        _harness.bcast(("example", example), root=0)
-        run_and_share_verdict(lambda: body(**example))
+def _draw_and_broadcast(body, name: str, strategies: dict, max_examples: int, examples: list,
+                        shrink: bool) -> None:
+    def run_example(**drawn):
+        _harness.bcast(("example", drawn), root=0)
+        run_and_share_verdict(lambda: body(**drawn))
 
     run_example.__name__ = run_example.__qualname__ = name
-    property_test = settings(max_examples=max_examples, deadline=None, database=None,
-                             suppress_health_check=[HealthCheck.too_slow])(given(**strategies)(run_example))
+    property_test = given(**strategies)(run_example)
+    for arguments in reversed(examples):  # hypothesis runs explicit examples first, in this order
+        property_test = example(**arguments)(property_test)
+    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
+    if HYPOTHESIS_SEED is not None:
+        property_test = hypothesis_seed(int(HYPOTHESIS_SEED))(property_test)
+    property_test = settings(max_examples=max_examples, deadline=None, database=None, phases=phases,
+                             derandomize=HYPOTHESIS_SEED is None, print_blob=False,
+                             suppress_health_check=[HealthCheck.too_slow])(property_test)
     verdict = ("failed", "")
     try:
         property_test()
         verdict = ("passed", "")
+    except MultiRankFailure:
+        draws = (f"MINIPAR_HYPOTHESIS_SEED={HYPOTHESIS_SEED}" if HYPOTHESIS_SEED is not None else
+                 "derandomized (MINIPAR_HYPOTHESIS_SEED unset): a rerun draws the same examples")
+        print(f"[mpi_given] {name} on {WORLD.size} ranks, draws {draws}")
+        raise
     except pytest.skip.Exception as skip:
         verdict = ("skipped", str(skip))
         raise
