@@ -51,6 +51,7 @@ collective, default 30 s here) unless the environment already sets it.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import inspect
@@ -69,6 +70,7 @@ WORLD = MPI.COMM_WORLD
 GRACE_S = float(os.environ.get("MINIPAR_TEST_GRACE_S", "30"))
 DEADLOCK_S = float(os.environ.get("MINIPAR_TEST_DEADLOCK_S", "60"))
 HYPOTHESIS_SEED = os.environ.get("MINIPAR_HYPOTHESIS_SEED")
+REPORT_DIR = os.environ.get("MINIPAR_TEST_REPORT_DIR")  # abort reports also go to REPORT_DIR/rank-R.txt
 _harness = WORLD.Dup()  # the harness's own messages never meet a test's
 _abort_report = sys.stderr  # replaced by keep_terminal_stderr(), since pytest captures sys.stderr
 
@@ -90,22 +92,49 @@ def needs_world_size(*sizes: int):
                               reason=f"needs a world size in {sizes}, this one is {WORLD.size}")
 
 
-def _abort_on_deadlock(what: str) -> None:
-    """What the watchdog does when a body has run past DEADLOCK_S: every thread's stack, then abort."""
-    _abort_report.write(f"[rank {WORLD.rank}] {what} still running after {DEADLOCK_S:g} s "
-                        "(MINIPAR_TEST_DEADLOCK_S): a deadlock? Every thread's stack on this rank:\n")
-    _abort_report.flush()
-    faulthandler.dump_traceback(file=_abort_report, all_threads=True)
-    _abort_report.flush()
-    time.sleep(2)  # every rank's watchdog fires about now: let the others print before the abort
+def _report_and_abort(report: str, stacks: bool = False) -> None:
+    """Write report (and every thread's stack) to the terminal and to REPORT_DIR, then abort the job.
+
+    A file is read back whole after the job, whatever the launcher does with the output of processes
+    it kills; the pause gives the launcher time to forward the terminal copy (and lets other ranks
+    whose watchdog fires at the same moment print theirs) before the abort."""
+    outputs = [_abort_report]
+    if REPORT_DIR:
+        outputs.append(open(os.path.join(REPORT_DIR, f"rank-{WORLD.rank}.txt"), "a"))
+    for output in outputs:
+        output.write(report)
+        output.flush()
+        if stacks:
+            faulthandler.dump_traceback(file=output, all_threads=True)
+            output.flush()
+    time.sleep(1.0)
     WORLD.Abort(1)
 
 
+def _abort_on_deadlock(what: str) -> None:
+    _report_and_abort(f"[rank {WORLD.rank}] {what} still running after {DEADLOCK_S:g} s "
+                      "(MINIPAR_TEST_DEADLOCK_S): a deadlock? Every thread's stack on this rank:\n",
+                      stacks=True)
+
+
+@contextlib.contextmanager
+def deadlock_watchdog():
+    """Abort the job with every rank's stacks if the block runs past DEADLOCK_S seconds.
+
+    A timer thread does it (a rank blocked in MPI releases the GIL, so it runs); should the GIL never
+    come free, faulthandler's own C thread dumps the stacks 10 s later and ends the process."""
+    timer = threading.Timer(DEADLOCK_S, _abort_on_deadlock, args=(_current_test(),))
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(DEADLOCK_S + 10, exit=True, file=_abort_report)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        timer.cancel()
+
+
 def _outcome_of(body) -> tuple[str, str]:
-    # a timer thread: a rank blocked in MPI releases the GIL, so the watchdog still runs
-    watchdog = threading.Timer(DEADLOCK_S, _abort_on_deadlock, args=(_current_test(),))
-    watchdog.daemon = True
-    watchdog.start()
     try:
         body()
     except (KeyboardInterrupt, SystemExit):
@@ -114,8 +143,6 @@ def _outcome_of(body) -> tuple[str, str]:
         return "skipped", str(skip)
     except BaseException:
         return "failed", traceback.format_exc()
-    finally:
-        watchdog.cancel()
     return "passed", ""
 
 
@@ -135,19 +162,18 @@ def _wait_for_every_rank(outcome: tuple[str, str]) -> None:
     deadline = time.monotonic() + GRACE_S
     while not arrived.Test():
         if outcome[0] == "failed" and time.monotonic() > deadline:
-            _abort_report.write(
+            _report_and_abort(
                 f"[rank {WORLD.rank}] failed, and {GRACE_S:g} s later the other ranks are still in the "
                 "test body, probably waiting in a collective this rank never reached; aborting the job.\n"
                 f"[rank {WORLD.rank}] {outcome[1]}")
-            _abort_report.flush()
-            WORLD.Abort(1)
         time.sleep(0.001)
 
 
 def run_and_share_verdict(body) -> None:
     """Run body() on every rank; if it failed on any rank, raise MultiRankFailure on every rank."""
-    outcome = _outcome_of(body)
-    _wait_for_every_rank(outcome)
+    with deadlock_watchdog():  # the body and the wait for the others: a rank stuck in either is found
+        outcome = _outcome_of(body)
+        _wait_for_every_rank(outcome)
     outcomes = _harness.allgather(outcome)
     failed = [rank for rank, (kind, _) in enumerate(outcomes) if kind == "failed"]
     if failed:
