@@ -6,6 +6,7 @@ a timeline derived by hand, and 16-bit layouts whose weights must follow the sin
 
 from __future__ import annotations
 
+import re
 import time
 
 import hypothesis.strategies as st
@@ -126,3 +127,21 @@ def test_16_bit_layouts_move_the_weights_as_the_single_process_run_does(comm, la
                 assert moved > 0, name
                 deviation = np.max(np.abs(full[name] - want))
                 assert deviation <= 0.1 * moved, (name, reference.precision, dp, tp, pp)
+
+
+# ---- --check-reference: the deviation it reports is the run's from one process, not the run's own -----
+
+@needs_world_size(2, 4)
+@mpi_test
+def test_check_reference_reports_the_deviation_of_a_16_bit_ring_from_one_process(comm, capsys):
+    """DDP in bf16 sums gradients on a 16-bit ring, rounding each partial sum, so its weights differ from
+    the single-process bf16 run's by a small, nonzero amount; a check of the run against itself says 0."""
+    cfg = TrainConfig(model="gpt", precision="bf16", dp=comm.size, n_layer=1, n_head=2, d_model=16, seq_len=8,
+                      batch_size=2 * comm.size, steps=3, optimizer="sgd", lr=0.05, check_reference=True)
+    loop.train(cfg, comm.mpi)
+    printed = capsys.readouterr().out
+    if comm.rank == 0:
+        found = re.search(r"loss ([-+.e0-9]+), weights ([-+.e0-9]+)", printed)
+        assert found, printed
+        loss_deviation, weight_deviation = float(found[1]), float(found[2])
+        assert 0 < weight_deviation < 0.05 and loss_deviation < 0.05, printed
