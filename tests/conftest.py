@@ -5,8 +5,8 @@
 
 To write a multi-rank test, read tests/mpi_harness.py (decorators mpi_test and mpi_given, the mark
 needs_world_size). This file skips mpi tests in a single process and serial tests under mpiexec,
-silences the reports of ranks > 0 (the harness brings their failures to rank 0), and provides the
-fixture `comm`.
+silences the reports of ranks > 0 (the harness brings their failures to rank 0), provides the
+fixture `comm`, makes serial hypothesis draws reproducible, and sets MINIPAR_COLLECTIVE_TIMEOUT.
 """
 
 from __future__ import annotations
@@ -14,13 +14,24 @@ from __future__ import annotations
 import os
 import sys
 
-import mpi_harness
-import pytest
-from mpi4py import MPI
+# A collective that waits longer than this fails (the reliability layer's limit, minipar/dist/comm.py),
+# so a deadlocked test ends in seconds; set before minipar is imported, unless the caller chose one.
+os.environ.setdefault("MINIPAR_COLLECTIVE_TIMEOUT", "30")
 
-from minipar.dist.comm import Comm, TrafficLedger
+import mpi_harness  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from minipar.dist.comm import Comm, TrafficLedger  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
+
+# Serial property tests draw the same examples in every run, as the multi-rank harness does (the
+# examples are a function of each test's name); MINIPAR_HYPOTHESIS_SEED picks another fixed set.
+settings.register_profile("minipar", derandomize=mpi_harness.HYPOTHESIS_SEED is None, database=None,
+                          print_blob=False)
+settings.load_profile("minipar")
 
 
 @pytest.hookimpl(tryfirst=True)

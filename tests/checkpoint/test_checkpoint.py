@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from mpi4py import MPI
-from mpi_harness import mpi_given
+from mpi_harness import at_world_size, mpi_given
 
 from minipar.checkpoint.sharded import CheckpointError
 from minipar.core.shards import Shard, shard_bounds
@@ -235,7 +235,12 @@ def shared_directory():
 LAYOUTS = layouts(WORLD.size)
 
 
-@mpi_given(max_examples=8, saved=st.sampled_from(LAYOUTS), resumed=st.sampled_from(LAYOUTS),
+@mpi_given(max_examples=8, examples=[  # a tensor-parallel save resumed at tp = 1, and the reverse
+    at_world_size((2, 4, 8),
+                  saved=(2, 1, 2, 1, 0, 1, ""), resumed=(1, 1, 1, 1, 0, 1, ""), saved_at=2, seed=3),
+    at_world_size((2, 4, 8),
+                  saved=(1, 1, 1, 1, 0, 1, ""), resumed=(2, 1, 2, 1, 0, 1, ""), saved_at=1, seed=4)],
+           saved=st.sampled_from(LAYOUTS), resumed=st.sampled_from(LAYOUTS),
            saved_at=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_resume_in_another_layout_trains_like_one_process(saved, resumed, saved_at, seed):
     """Saved at one layout and world size, resumed at another: the losses after the save and the

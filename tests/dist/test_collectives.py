@@ -11,7 +11,7 @@ import hypothesis.strategies as st
 import numpy
 import pytest
 from mpi4py import MPI
-from mpi_harness import mpi_given
+from mpi_harness import at_world_size, mpi_given
 
 from minipar.dist.collectives import UNCHANGED, Wire, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from minipar.dist.comm import Comm, TrafficLedger, ring_bytes_sent
@@ -74,7 +74,11 @@ def exact_ring_fraction(factor: int, ring: Comm, nbytes: int) -> int:
     return factor * (ring.size - 1) * nbytes // ring.size
 
 
-@mpi_given(which=st.sampled_from(["world", "group"]), numel=st.integers(0, 50),
+# rings of N >= 4 ranks with shards of unequal length (7 and 13 elements do not divide by 4 or 8)
+UNEVEN_RINGS = [at_world_size((4, 8), which="world", numel=numel, dtype="float64", seed=5) for numel in (7, 13)]
+
+
+@mpi_given(examples=UNEVEN_RINGS, which=st.sampled_from(["world", "group"]), numel=st.integers(0, 50),
            dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**32 - 1))
 def test_ring_all_reduce(rings, which, numel, dtype, seed):
     ring = rings[which]
@@ -89,7 +93,7 @@ def test_ring_all_reduce(rings, which, numel, dtype, seed):
         assert traffic(counted)[0] == exact_ring_fraction(2, ring, result.nbytes)
 
 
-@mpi_given(which=st.sampled_from(["world", "group"]), numel=st.integers(0, 50),
+@mpi_given(examples=UNEVEN_RINGS, which=st.sampled_from(["world", "group"]), numel=st.integers(0, 50),
            dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**32 - 1))
 def test_ring_reduce_scatter(rings, which, numel, dtype, seed):
     ring = rings[which]

@@ -151,7 +151,8 @@ def run_mpi_job(args: list[str], ranks: int, extra_env: dict | None = None, cwd=
 
 
 def test_excepthook_aborts_every_rank_with_a_ranked_traceback():
-    program = ("from mpi4py import MPI\nfrom minipar.dist.comm import install_excepthook\ninstall_excepthook()\n"
+    program = ("from mpi4py import MPI\nfrom minipar.dist.comm import install_excepthook\n"
+               "install_excepthook()\n"
                "if MPI.COMM_WORLD.rank == 1:\n    raise ValueError('bad shape on purpose')\n"
                "MPI.COMM_WORLD.Barrier()\n")
     job, seconds = run_mpi_job(["-c", program], ranks=2)
@@ -184,31 +185,79 @@ def test_rank_1_skips_a_collective(comm):
     if comm.rank == 1:
         raise RuntimeError("rank 1 left early")
     comm.all_reduce(numpy.ones(2))
+
+@mpi_test
+def test_deadlock_rank_0_waits_for_a_message_never_sent(comm):
+    if comm.rank == 0:
+        comm.mpi.recv(source=1, tag=99)
+
 '''
 
 
-def run_harness_demo(tmp_path, selection: str, extra_env=None):
+def run_harness_demo(tmp_path, tests: list[str], extra_env=None):
+    """Run the named tests of the demo (by node id: -k would also match words in tmp_path's name)."""
     (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
     (tmp_path / "test_demo.py").write_text(HARNESS_DEMO)
-    args = ["-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path),
-            "-m", "mpi", "-q", "-k", selection, str(tmp_path / "test_demo.py")]
+    args = ["-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path), "-m", "mpi", "-q",
+            *(f"{tmp_path / 'test_demo.py'}::{name}" for name in tests)]
     return run_mpi_job(args, ranks=3, extra_env=extra_env, cwd=tmp_path)
 
 
 def test_harness_fails_everywhere_and_reports_on_rank_0(tmp_path):
-    job, seconds = run_harness_demo(tmp_path, "not skips")
+    job, seconds = run_harness_demo(
+        tmp_path, ["test_passes", "test_fails_on_last_rank", "test_property_fails_on_rank_1"])
     assert job.returncode != 0 and seconds < 60
     out = job.stdout
-    assert out.count("2 failed, 1 passed") == 1, out  # only rank 0 reports
+    assert out.count("2 failed, 1 passed") == 1, (out, job.stderr, seconds)  # only rank 0 reports
     assert "failed on rank(s) [2] of 3" in out and "wrong on the last rank" in out
     assert "rank 1 cannot take n=4" in out and "n=4," in out  # hypothesis shrank to the edge
 
 
+def abort_report(tmp_path, job, rank: int) -> str:
+    """What rank wrote before it aborted the job: read from its file (MINIPAR_TEST_REPORT_DIR), which
+    no launcher can lose; its terminal copy may be cut short when mpiexec kills the job."""
+    report = tmp_path / "reports" / f"rank-{rank}.txt"
+    assert report.exists(), (job.stdout, job.stderr)
+    return report.read_text()
+
+
+def run_aborting_demo(tmp_path, test: str, **env):
+    (tmp_path / "reports").mkdir()
+    job, seconds = run_harness_demo(tmp_path, [test], extra_env={
+        "MINIPAR_TEST_REPORT_DIR": str(tmp_path / "reports"), "MPIEXEC_TIMEOUT": "100", **env})
+    # it aborted on its own, well before mpiexec's timeout would have ended a hang
+    assert job.returncode != 0 and seconds < 30 and "TIMED OUT" not in job.stdout + job.stderr, job
+    return job
+
+
 def test_harness_aborts_when_a_failed_rank_would_be_waited_for(tmp_path):
-    job, seconds = run_harness_demo(tmp_path, "skips", extra_env={"MINIPAR_TEST_GRACE_S": "1"})
-    assert job.returncode != 0 and seconds < 30
-    assert "[rank 1] failed, and 1 s later the other ranks are still in the test body" in job.stderr
-    assert "RuntimeError: rank 1 left early" in job.stderr
+    job = run_aborting_demo(tmp_path, "test_rank_1_skips_a_collective", MINIPAR_TEST_GRACE_S="1")
+    report = abort_report(tmp_path, job, rank=1)
+    assert "[rank 1] failed, and 1 s later the other ranks are still in the test body" in report
+    assert "RuntimeError: rank 1 left early" in report
+
+
+def test_harness_watchdog_prints_every_ranks_stack_and_aborts_a_deadlock(tmp_path):
+    job = run_aborting_demo(tmp_path, "test_deadlock_rank_0_waits_for_a_message_never_sent",
+                            MINIPAR_TEST_DEADLOCK_S="3")
+    waiting = abort_report(tmp_path, job, rank=0)
+    assert "test_deadlock_rank_0_waits_for_a_message_never_sent still running after 3 s" in waiting
+    assert "in test_deadlock_rank_0_waits_for_a_message_never_sent" in waiting  # its stack, down to the recv
+    for rank in (1, 2):  # done with the body, they wait for rank 0: their stacks say so
+        assert "in _wait_for_every_rank" in abort_report(tmp_path, job, rank), rank
+
+
+def test_harness_draws_the_same_examples_in_every_run():
+    """In one process the harness runs as on rank 0 of a world of one: call a property twice."""
+    drawn = []
+
+    @mpi_given(max_examples=5, n=st.integers(0, 10**6), word=st.text(max_size=5))
+    def record(n, word):
+        drawn.append((n, word))
+
+    record()
+    record()
+    assert len(drawn) == 10 and drawn[:5] == drawn[5:] and len(set(drawn)) > 1, drawn
 
 
 # ----- multi-rank: every collective against a local reference -------------------------------------
