@@ -1,4 +1,4 @@
-# minipar: make test | make demo | make bench | make lint | make multinode
+# minipar: make test | make demo | make bench | make lint | make lessons | make multinode
 # Every target builds .venv first if needed, and reinstalls only when pyproject.toml changed.
 
 SHELL := /bin/bash
@@ -17,7 +17,7 @@ export MKL_NUM_THREADS ?= 1
 START := $(shell date +%s)
 say = echo "[make] $(1): $$(( $$(date +%s) - $(2) )) s"
 
-.PHONY: test demo bench lint setup multinode
+.PHONY: test demo bench lint lessons setup multinode
 
 setup: $(INSTALLED)
 
@@ -31,13 +31,17 @@ $(INSTALLED): pyproject.toml | $(PYTHON)
 # lint first: a broken layer rule or type error fails in seconds, before minutes of tests.
 test: lint
 	@t=$$(date +%s); $(PYTHON) -m pytest -m "not mpi" -q; s=$$?; $(call say,serial tests,$$t); exit $$s
-	@t=$$(date +%s); $(PYTHON) -m pytest --markdown-docs -m markdown-docs -q lessons/; s=$$?; \
-	  $(call say,lessons,$$t); exit $$s
+	@$(MAKE) --no-print-directory lessons
 	@for k in $(RANKS); do \
 	  t=$$(date +%s); $(MPIEXEC) -n $$k $(PYTHON) -m pytest -m mpi -q; s=$$?; \
 	  $(call say,multi-rank tests on $$k ranks,$$t); [ $$s -eq 0 ] || exit $$s; \
 	done
 	@$(call say,make test in all,$(START))
+
+# The lessons alone: every python block of lessons/*.md runs, and the output it prints is checked.
+lessons: $(INSTALLED)
+	@t=$$(date +%s); $(PYTHON) -m pytest --markdown-docs -m markdown-docs -q lessons/; s=$$?; \
+	  $(call say,lessons,$$t); exit $$s
 
 # The main job: the default GPT on 8 ranks, 2 data-parallel replicas of a 2-stage pipeline whose
 # stages are split over 2 tensor-parallel ranks, ZeRO-1 on top; checked against one process.
