@@ -8,6 +8,8 @@ Lesson: lessons/01_autograd.md (and 04 for the sharded use).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from minipar.core.backend import xp_of
 
 OPTIMIZERS = ("adamw", "sgd")  # `minipar train --optimizer`: AdamW or SGD (with momentum), below
@@ -38,20 +40,21 @@ def sgd_update(param, grad, momentum_buffer, lr, momentum, weight_decay):
     param -= lr * grad
 
 
-class Optimizer:
-    """Holds per-parameter state (flat arrays) and applies `update` to each parameter."""
+class Optimizer(ABC):
+    """Holds per-parameter state (flat arrays) and applies `update` to each parameter; a subclass says
+    what its state is (`init_state`) and how one flat buffer steps (`update`)."""
 
     def __init__(self, params):
         self.params = list(params)
         self.state: list[dict | None] = [None] * len(self.params)  # None until the parameter's first step
 
+    @abstractmethod
     def init_state(self, n: int, dtype, xp) -> dict:
         """The state of one flat buffer of `n` elements (a whole parameter, or a ZeRO shard)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def update(self, param, grad, state: dict) -> None:
         """One step for one flat buffer and its state, in place."""
-        raise NotImplementedError
 
     def zero_grad(self):
         for p in self.params:
