@@ -20,6 +20,7 @@ Lesson: lessons/07_3d.md.
 from __future__ import annotations
 
 from minipar.core import optim
+from minipar.core.moe import MoEConfig, MoEGPT
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet, causal_attention
 from minipar.fusion import training as fused_training
 from minipar.parallel import context, pipeline
@@ -35,9 +36,13 @@ from minipar.trainer.engine import Engine
 from minipar.trainer.tasks import AdditionTask
 
 
+def moe_config(cfg) -> MoEConfig:
+    return MoEConfig(cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef)
+
+
 def model_config(cfg):
     """The architecture `cfg` asks for (core/nn.py's GPTConfig or MLPConfig)."""
-    if cfg.model == "gpt":
+    if cfg.is_gpt:
         return GPTConfig(vocab_size=AdditionTask.vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
                          n_head=cfg.n_head, d_model=cfg.d_model, dtype=cfg.dtype)
     return MLPConfig(d_hidden=cfg.d_model, n_layer=cfg.n_layer, dtype=cfg.dtype)
@@ -52,6 +57,8 @@ def build_model(cfg, grid):
         model = SequenceParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute)
     elif cfg.tp > 1:  # Megatron tensor parallelism, GPT only (trainer/validate.py)
         model = TensorParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute, attention=attention)
+    elif cfg.model == "moe":  # a GPT whose MLPs are experts behind a router (core/moe.py)
+        model = MoEGPT(mcfg, moe_config(cfg), seed=None, recompute=cfg.recompute, attention=attention)
     elif cfg.model == "gpt":  # --recompute: which activations backward recomputes (core/recompute.py)
         model = GPT(mcfg, seed=None, recompute=cfg.recompute, attention=attention)
     else:

@@ -29,10 +29,11 @@ class Engine:
                  loss_scaler: DynamicLossScaler | None = None):
         self.cfg, self.grid, self.model, self.runner, self.updater = cfg, grid, model, runner, updater
         self.loss_scaler = loss_scaler
+        self.aux_loss: float | None = None  # --model moe: the last step's load-balancing loss
 
     def normaliser(self, targets) -> int:
         """The global count the summed loss is divided by: tokens for the GPT, samples for the MLP."""
-        return targets.size if self.cfg.model == "gpt" else len(targets)
+        return targets.size if self.cfg.is_gpt else len(targets)
 
     def train_step(self, inputs, targets) -> float:
         grid = self.grid
@@ -40,7 +41,15 @@ class Engine:
         self.model.zero_grad()
         loss = self.runner.forward_backward(inputs[mine], targets[mine], self.normaliser(targets))
         self.updater.step()
+        self.aux_loss = self.global_aux_loss()
         return self.global_loss(loss)
+
+    def global_aux_loss(self) -> float | None:
+        """--model moe: the load-balancing part of the step's loss, summed over the replicas (None
+        for other models). Uncharged control bytes, like the loss."""
+        if self.cfg.model != "moe":
+            return None
+        return self.grid.dp_cp.allreduce_obj(self.model.take_aux_loss())
 
     def global_loss(self, local_loss) -> float:
         """Sum the replicas' losses and hand the last stage's value to every rank.

@@ -26,7 +26,7 @@ from minipar.trainer.tasks import AdditionTask, RegressionTask
 
 
 def make_task(cfg: TrainConfig):
-    if cfg.model == "gpt":
+    if cfg.is_gpt:
         return AdditionTask(cfg.seq_len, cfg.seed)
     mcfg = build.model_config(cfg)
     return RegressionTask(mcfg.d_in, mcfg.d_out, cfg.seed, cfg.dtype)  # batches in the model's dtype
@@ -97,7 +97,7 @@ class Trainer:
         record = {
             "step": step,
             "loss": float(loss),
-            "tokens_per_s": float((targets.size if cfg.model == "gpt" else len(targets)) / elapsed),
+            "tokens_per_s": float((targets.size if cfg.is_gpt else len(targets)) / elapsed),
             "time_s": elapsed,
             "mem": self.memory.report(),
             "comm": {**traffic.step_report(), **traffic.step_links()},  # by_link: intra-/inter-node
@@ -105,6 +105,7 @@ class Trainer:
         optional = {  # in the log only where the layout has them
             "pipeline": self.engine.runner.timing(),  # busy/idle time of the stages, bubble (pipeline.py)
             "offload": self.engine.updater.tier_traffic(),  # bytes device <-> cpu <-> disk (zero_chunked.py)
+            "aux_loss": self.engine.aux_loss,  # --model moe: the load-balancing part of "loss" (moe.py)
             "loss_scaling": self.engine.runner.log_record(),  # fp16: the scale, whether skipped (mixed.py)
         }
         record.update((key, value) for key, value in optional.items() if value)
