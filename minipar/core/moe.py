@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from minipar.core import functional as F
-from minipar.core.autograd import Function
+from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import xp_of
 from minipar.core.module import Module, ModuleList
 from minipar.core.nn import (
@@ -94,8 +94,8 @@ class MoELayer(Module):
         self.moe = moe
         self.router = Linear(cfg.d_model, moe.n_experts, bias=False, dtype=cfg.dtype)
         self.experts = ModuleList([MLP(cfg) for _ in range(moe.n_experts)])
-        self.aux_loss = None
-        self.tokens_per_expert = None
+        self.aux_loss: Tensor | None = None
+        self.tokens_per_expert: list[int] = []
 
     def forward(self, x):
         B, T, D = x.shape
@@ -106,14 +106,15 @@ class MoELayer(Module):
         flat_x, flat_probs = x.reshape(B * T, D), probs.reshape(B * T, E)
         tokens = xp_of(x.data).repeat(xp_of(x.data).arange(B * T), k)  # token of each assignment
         experts, keep = choice.reshape(-1), kept.reshape(-1)
-        out, per_expert = None, []
-        for e, expert in enumerate(self.experts):
+        outputs = []
+        for e, expert in enumerate(self.experts):  # every expert runs, on 0 tokens too: its grads exist
             mine = tokens[keep & (experts == e)]  # in position order
-            per_expert.append(len(mine))
             gate = flat_probs[mine, e].reshape(len(mine), 1)
-            y = IndexAdd.apply(expert(flat_x[mine]) * gate, mine, B * T)
-            out = y if out is None else out + y
-        self.tokens_per_expert = per_expert
+            outputs.append(IndexAdd.apply(expert(flat_x[mine]) * gate, mine, B * T))
+        self.tokens_per_expert = [int((keep & (experts == e)).sum()) for e in range(E)]
+        out = outputs[0]
+        for y in outputs[1:]:
+            out = out + y
         return out.reshape(B, T, D)
 
     def sequence_aux_loss(self, probs, counts, T: int):
@@ -134,7 +135,8 @@ class MoEGPT(GPT):
         self.blocks = ModuleList([Block(cfg, CausalSelfAttention(cfg, recompute == "selective", attention),
                                         MoELayer(cfg, moe)) for _ in range(cfg.n_layer)])
         self.head = GPTHead(cfg)
-        self.aux_loss_total = 0.0  # the aux-loss part of the losses since the last `take_aux_loss`
+        self.aux_loss_total = 0.0  # the aux-loss part of the losses since the last `take_routing_stats`
+        self.kept_total = [[0] * moe.n_experts for _ in range(cfg.n_layer)]  # tokens per block and expert
         if seed is not None:
             self.init_parameters(seed)
 
@@ -142,17 +144,22 @@ class MoEGPT(GPT):
         """The language-model loss plus coef * (summed per-sequence aux losses) / global sequences."""
         lm = super().loss(logits, targets, normaliser)
         sequences = normaliser / targets.shape[1]
-        aux = None
-        for block in self.blocks:
-            aux = block.mlp.aux_loss if aux is None else aux + block.mlp.aux_loss
+        aux = self.blocks[0].mlp.aux_loss
+        for block in list(self.blocks)[1:]:
+            aux = aux + block.mlp.aux_loss
+        for block, kept in zip(self.blocks, self.kept_total):
+            kept[:] = [a + b for a, b in zip(kept, block.mlp.tokens_per_expert)]
         aux = aux * (self.moe.aux_loss_coef / sequences)
         self.aux_loss_total += aux.item()
         return lm + aux
 
-    def take_aux_loss(self) -> float:
-        """The aux-loss part of this rank's losses since the last call (for the log)."""
-        total, self.aux_loss_total = self.aux_loss_total, 0.0
-        return total
+    def take_routing_stats(self) -> tuple[float, list[list[int]]]:
+        """This rank's aux-loss part of the losses and the tokens each block's experts kept, since
+        the last call (for the log)."""
+        stats = (self.aux_loss_total, self.kept_total)
+        self.aux_loss_total = 0.0
+        self.kept_total = [[0] * self.moe.n_experts for _ in self.blocks]
+        return stats
 
 
 def config_errors(cfg) -> list[str]:

@@ -105,10 +105,10 @@ class Trainer:
         optional = {  # in the log only where the layout has them
             "pipeline": self.engine.runner.timing(),  # busy/idle time of the stages, bubble (pipeline.py)
             "offload": self.engine.updater.tier_traffic(),  # bytes device <-> cpu <-> disk (zero_chunked.py)
-            "aux_loss": self.engine.aux_loss,  # --model moe: the load-balancing part of "loss" (moe.py)
             "loss_scaling": self.engine.runner.log_record(),  # fp16: the scale, whether skipped (mixed.py)
         }
         record.update((key, value) for key, value in optional.items() if value)
+        record.update(self.engine.routing or {})  # moe: aux_loss (a part of "loss"), tokens_per_expert
         return record
 
     def run(self) -> list[dict]:
