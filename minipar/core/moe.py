@@ -59,14 +59,15 @@ def route(probs, top_k: int, capacity: int):
 
     Returns `choice` (B, T, k): each token's experts, best first (ties to the lower index);
     `kept` (B, T, k): whether the assignment fits in its expert's capacity, assignments of a sequence
-    taken in position order; `counts` (B, E): assignments per expert and sequence, before dropping."""
+    taken in position order; `counts` (B, E): assignments per expert and sequence, before dropping;
+    `slot` (B, T, k): the assignment's place in its expert's queue for the sequence (kept: < capacity)."""
     xp = xp_of(probs)
     B, T, E = probs.shape
     choice = xp.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
     onehot = (choice.reshape(B, T * top_k)[..., None] == xp.arange(E)).astype(xp.int64)  # (B, T*k, E)
     rank_in_expert = (xp.cumsum(onehot, axis=1) * onehot).sum(-1) - 1  # place in its expert's queue
     kept = (rank_in_expert < capacity).reshape(B, T, top_k)
-    return choice, kept, onehot.sum(axis=1)
+    return choice, kept, onehot.sum(axis=1), rank_in_expert.reshape(B, T, top_k)
 
 
 class IndexAdd(Function):
@@ -101,7 +102,7 @@ class MoELayer(Module):
         B, T, D = x.shape
         E, k = self.moe.n_experts, self.moe.top_k
         probs = F.softmax(self.router(x), axis=-1)
-        choice, kept, counts = route(probs.data, k, self.moe.capacity(T))
+        choice, kept, counts, _ = route(probs.data, k, self.moe.capacity(T))
         self.aux_loss = self.sequence_aux_loss(probs, counts, T)
         flat_x, flat_probs = x.reshape(B * T, D), probs.reshape(B * T, E)
         tokens = xp_of(x.data).repeat(xp_of(x.data).arange(B * T), k)  # token of each assignment
@@ -125,15 +126,16 @@ class MoELayer(Module):
 
 
 class MoEGPT(GPT):
-    """GPT with every block's MLP a MoELayer; the same units, embedding, attention and head."""
+    """GPT with every block's MLP a MoELayer (`layer(cfg, moe)` makes them: expert parallelism passes its
+    own); the same units, embedding, attention and head."""
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, seed: int | None = 0, recompute: str = "none",
-                 attention=causal_attention):
+                 attention=causal_attention, layer=MoELayer):
         Module.__init__(self)  # GPT's __init__ would build dense blocks: this builds MoE ones
         self.config, self.moe = cfg, moe
         self.embed = GPTEmbedding(cfg)
         self.blocks = ModuleList([Block(cfg, CausalSelfAttention(cfg, recompute == "selective", attention),
-                                        MoELayer(cfg, moe)) for _ in range(cfg.n_layer)])
+                                        layer(cfg, moe)) for _ in range(cfg.n_layer)])
         self.head = GPTHead(cfg)
         self.aux_loss_total = 0.0  # the aux-loss part of the losses since the last `take_routing_stats`
         self.kept_total = [[0] * moe.n_experts for _ in range(cfg.n_layer)]  # tokens per block and expert

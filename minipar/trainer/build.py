@@ -19,11 +19,13 @@ Lesson: lessons/07_3d.md.
 
 from __future__ import annotations
 
+from functools import partial
+
 from minipar.core import optim
-from minipar.core.moe import MoEConfig, MoEGPT
+from minipar.core.moe import MoEConfig, MoEGPT, MoELayer
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet, causal_attention
 from minipar.fusion import training as fused_training
-from minipar.parallel import context, pipeline
+from minipar.parallel import context, experts, pipeline
 from minipar.parallel.api import LocalUpdater, MicrobatchRunner
 from minipar.parallel.ddp import DistributedDataParallel
 from minipar.parallel.sequence import SequenceParallelGPT
@@ -58,7 +60,12 @@ def build_model(cfg, grid):
     elif cfg.tp > 1:  # Megatron tensor parallelism, GPT only (trainer/validate.py)
         model = TensorParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute, attention=attention)
     elif cfg.model == "moe":  # a GPT whose MLPs are experts behind a router (core/moe.py)
-        model = MoEGPT(mcfg, moe_config(cfg), seed=None, recompute=cfg.recompute, attention=attention)
+        layer = MoELayer
+        if cfg.ep > 1:  # --ep: each rank holds its share of the experts (parallel/experts.py)
+            groups = experts.ExpertGroups(grid, cfg.ep)
+            layer = partial(experts.ExpertParallelMoELayer, groups=groups)
+        model = MoEGPT(mcfg, moe_config(cfg), seed=None, recompute=cfg.recompute, attention=attention,
+                       layer=layer)
     elif cfg.model == "gpt":  # --recompute: which activations backward recomputes (core/recompute.py)
         model = GPT(mcfg, seed=None, recompute=cfg.recompute, attention=attention)
     else:
@@ -107,6 +114,9 @@ def build_updater(cfg, grid, model, scaler=None):
 
     if chunked(cfg):
         return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # parallel/zero_chunked.py
+    if cfg.ep > 1:  # experts summed over the ranks that hold them, the rest over dp (experts.py)
+        groups = model.blocks[0].mlp.groups
+        return experts.ExpertParallelUpdater(model, optimizer_of(model.parameters()), grid.dp, groups)
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
         stage = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}[cfg.zero]
         return stage(model, optimizer_of([]), grid.dp_cp)

@@ -96,6 +96,8 @@ class TrainConfig:
     capacity_factor: float = option(1.0, "--model moe: an expert takes at most ceil(factor*T*k/E) "
                                     "tokens of each sequence; the rest are dropped in position order")
     aux_loss_coef: float = option(0.01, "--model moe: weight of the load-balancing loss")
+    ep: int = option(1, "--model moe: expert parallelism, the experts split over blocks of ep dp ranks "
+                     "(parallel/experts.py)", single_process=1)
     bucket_mb: float = option(0.25, "DDP gradient bucket size")
     recompute: str = option("none", "activations recomputed in backward instead of kept: the attention "
                             "cores (selective) or whole blocks (full)", RECOMPUTE_MODES,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend, moe, recompute
-from minipar.parallel import context, pipeline, sequence, tensor, zero_chunked
+from minipar.parallel import context, experts, pipeline, sequence, tensor, zero_chunked
 from minipar.precision import mixed
 from minipar.trainer.build import build_model, build_optimizer, model_config
 from minipar.trainer.config import TrainConfig
@@ -109,7 +109,7 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.is_gpt and cfg.d_model % cfg.n_head:
         errors.append(f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}")
     errors += (tensor.config_errors(cfg) + recompute.config_errors(cfg) + sequence.config_errors(cfg)
-               + context.config_errors(cfg) + pipeline.config_errors(cfg) + moe.config_errors(cfg))
+               + context.config_errors(cfg) + pipeline.config_errors(cfg) + moe.config_errors(cfg) + experts.config_errors(cfg))
     if cfg.pp > cfg.n_units():
         blocks = f"{cfg.n_layer} layers"
         if cfg.is_gpt:
