@@ -21,7 +21,7 @@ from __future__ import annotations
 from minipar.core import functional as F
 from minipar.core.autograd import Function, no_grad
 from minipar.core.backend import xp_of
-from minipar.core.module import Module
+from minipar.core.module import Module, ModuleList
 from minipar.core.moe import IndexAdd, MoEConfig, MoELayer, route
 from minipar.core.nn import MLP, GPTConfig, Linear
 from minipar.dist import collectives
@@ -36,11 +36,11 @@ class ExpertGroups:
 
     def __init__(self, grid: ProcessGrid, ep: int):
         block, place = divmod(grid.dp_rank, ep)
-        dp_nodes = grid.dp.nodes
+        nodes = grid.dp.nodes
         self.ep: Comm = grid.dp.split(color=block, key=place, name="ep",
-                                      nodes=None if dp_nodes is None else dp_nodes[block * ep:(block + 1) * ep])
+                                      nodes=None if nodes is None else nodes[block * ep:(block + 1) * ep])
         self.edp: Comm = grid.dp.split(color=place, key=block, name="edp",
-                                       nodes=None if dp_nodes is None else dp_nodes[place::ep])
+                                       nodes=None if nodes is None else nodes[place::ep])
 
 
 class AllToAll(Function):
@@ -57,17 +57,14 @@ class AllToAll(Function):
         return collectives.all_to_all(ctx.comm, g), None
 
 
-class LocalExperts(Module):
+class LocalExperts(ModuleList):
     """This rank's experts, named by their global index, so names match the one-process model."""
 
     def __init__(self, cfg: GPTConfig, first: int, count: int):
-        super().__init__()
+        super().__init__([])
         self.first = first
         for e in range(first, first + count):
             self.add_module(str(e), MLP(cfg))
-
-    def __iter__(self):
-        return iter(self._children.values())
 
 
 class ExpertParallelMoELayer(MoELayer):

@@ -109,7 +109,8 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
     if cfg.is_gpt and cfg.d_model % cfg.n_head:
         errors.append(f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}")
     errors += (tensor.config_errors(cfg) + recompute.config_errors(cfg) + sequence.config_errors(cfg)
-               + context.config_errors(cfg) + pipeline.config_errors(cfg) + moe.config_errors(cfg) + experts.config_errors(cfg))
+               + context.config_errors(cfg) + pipeline.config_errors(cfg) + moe.config_errors(cfg)
+               + experts.config_errors(cfg))
     if cfg.pp > cfg.n_units():
         blocks = f"{cfg.n_layer} layers"
         if cfg.is_gpt:

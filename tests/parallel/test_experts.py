@@ -16,11 +16,13 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_harness import mpi_given, needs_world_size
+from mpi_harness import at_world_size, mpi_given, needs_world_size
 
 from minipar.core.autograd import Tensor
 from minipar.core.moe import MoEConfig, MoEGPT, MoELayer
 from minipar.core.nn import GPTConfig
+from minipar.dist.collectives import all_to_all
+from minipar.dist.comm import Comm
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.loop import Trainer, compare_with_reference
 from minipar.trainer.validate import validate
@@ -195,3 +197,67 @@ def test_data_parallel_moe_trains_like_one_process(zero, top_k, capacity_factor,
             assert mine["tokens_per_expert"] == ref["tokens_per_expert"]
             assert mine["aux_loss"] == pytest.approx(ref["aux_loss"], rel=1e-9)
             assert np.sum(ref["tokens_per_expert"]) <= cfg.n_layer * cfg.batch_size * cfg.seq_len * top_k
+
+
+EP_LAYOUTS = [(dp, ep) for dp in (WORLD.size,) for ep in (2, 4) if dp % ep == 0 and ep <= WORLD.size]
+
+
+@needs_world_size(2, 4)
+@mpi_given(max_examples=3, layout=st.sampled_from(EP_LAYOUTS or [(2, 2)]), top_k=st.sampled_from([1, 2]),
+           capacity_factor=st.sampled_from([0.5, 1.0, 1.5]), microbatches=st.sampled_from([1, 2]),
+           seed=st.integers(0, 2**16),
+           examples=[at_world_size((4,), layout=(4, 2), top_k=2, capacity_factor=0.5, microbatches=2, seed=1)])
+def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor, microbatches, seed):
+    """Experts split over ep ranks inside dp: losses, weights and the routing stats of one process,
+    and the all-to-all bytes of every step equal their formula, from the ledger."""
+    dp, ep = layout
+    cfg = tiny(dp=dp, ep=ep, top_k=top_k, capacity_factor=capacity_factor, microbatches=microbatches,
+               seed=seed)
+    assert validate(cfg, WORLD.size) == []
+    trainer = Trainer(cfg, WORLD)
+    records = trainer.run()
+    full = trainer.full_state()
+    if WORLD.rank == 0:
+        check = compare_with_reference(cfg, records, full)
+        assert check["max_rel_loss_deviation"] <= 1e-9, check
+        assert check["max_rel_weight_deviation"] <= 1e-9, check
+        alone = Trainer(cfg.single_process(), MPI.COMM_SELF).run()
+        assert [r["tokens_per_expert"] for r in records] == [r["tokens_per_expert"] for r in alone]
+        # 4 all-to-alls per layer and micro-batch (dispatch and combine, forward and backward), each
+        # sending ep-1 of its ep blocks: (E, b, C, d) fp64 elements, b this rank's sequences
+        C = math.ceil(capacity_factor * cfg.seq_len * top_k / cfg.n_experts)
+        b = cfg.batch_size // dp // microbatches
+        expected = 4 * cfg.n_layer * microbatches * (ep - 1) * (cfg.n_experts // ep) * b * C * cfg.d_model * 8
+        for r in records:
+            assert r["comm"]["by_dim_op"]["ep"]["all_to_all"] == expected, r["comm"]
+
+
+@needs_world_size(2, 4)
+@mpi_given(max_examples=2, block=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_all_to_all_sends_block_s_to_rank_s_and_charges_what_it_sends(block, seed):
+    comm = Comm(WORLD, "a2a")
+    n, me = comm.size, comm.rank
+    rng = np.random.default_rng(seed)  # the same draw on every rank: rank r's buffer is sent[r]
+    sent = rng.normal(size=(n, n, block))
+    received = all_to_all(comm, sent[me])
+    np.testing.assert_array_equal(received, sent[:, me])  # block r of the result: rank r's block `me`
+    assert comm.ledger.total_report()["by_op"]["all_to_all"] == (n - 1) * block * 8
+    assert comm.ledger.total_report()["messages"] == n - 1
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"ep": 2, "model": "gpt"}, "--ep 2 needs --model moe (experts to split)"),
+    ({"ep": 4, "dp": 2}, "--ep 4 does not divide dp=2 (ep groups are blocks of ep dp ranks)"),
+    ({"ep": 3, "dp": 3, "n_experts": 4}, "--n-experts 4 is not divisible by --ep 3"),
+    ({"ep": 2, "dp": 2, "zero": 1}, "--ep with --zero 1 is not built yet (use --zero 0)"),
+    ({"ep": 2, "tp": 2, "dp": 2}, "--model moe does not support --tp > 1 yet"),
+])
+def test_bad_expert_parallel_layouts_are_one_line(changes, message):
+    cfg = tiny(**changes)
+    world = (cfg.dp or 1) * cfg.tp
+    errors = validate(cfg, world)
+    assert any(e.startswith(message) for e in errors), errors
+
+
+def test_single_process_reference_resets_ep():
+    assert tiny(ep=2, dp=2).single_process().ep == 1
