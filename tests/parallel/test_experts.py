@@ -206,7 +206,8 @@ EP_LAYOUTS = [(dp, ep) for dp in (WORLD.size,) for ep in (2, 4) if dp % ep == 0 
 @mpi_given(max_examples=3, layout=st.sampled_from(EP_LAYOUTS or [(2, 2)]), top_k=st.sampled_from([1, 2]),
            capacity_factor=st.sampled_from([0.5, 1.0, 1.5]), microbatches=st.sampled_from([1, 2]),
            seed=st.integers(0, 2**16),
-           examples=[at_world_size((4,), layout=(4, 2), top_k=2, capacity_factor=0.5, microbatches=2, seed=1)])
+           examples=[at_world_size((4,), layout=(4, 2), top_k=2, capacity_factor=0.5, microbatches=2,
+                                   seed=1)])
 def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor, microbatches, seed):
     """Experts split over ep ranks inside dp: losses, weights and the routing stats of one process,
     and the all-to-all bytes of every step equal their formula, from the ledger."""

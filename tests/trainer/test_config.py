@@ -57,6 +57,7 @@ FLAGS = {
     "--top-k": (1, None, int),
     "--capacity-factor": (1.0, None, float),
     "--aux-loss-coef": (0.01, None, float),
+    "--ep": (1, None, int),
     "--bucket-mb": (0.25, None, float),
     "--recompute": ("none", ("none", "selective", "full"), str),
     "--fused": (False, None, SWITCH),
