@@ -180,8 +180,6 @@ def config_errors(cfg) -> list[str]:
     for flag, size in (("--tp", cfg.tp), ("--pp", cfg.pp), ("--cp", cfg.cp)):
         if size > 1:
             errors.append(f"--model moe does not support {flag} > 1 yet (experts with {flag} are not built)")
-    if cfg.resume:
-        errors.append("--model moe does not support --resume yet (checkpoints of experts are not built)")
     if cfg.recompute == "full":
         errors.append("--model moe does not support --recompute full yet (the aux loss is taken "
                       "from the forward pass)")

@@ -151,6 +151,4 @@ def config_errors(cfg) -> list[str]:
         errors.append(f"--n-experts {cfg.n_experts} is not divisible by --ep {cfg.ep}")
     if cfg.zero:
         errors.append(f"--ep with --zero {cfg.zero} is not built yet (use --zero 0)")
-    if cfg.save:
-        errors.append("--ep with --save is not built yet (checkpoints of split experts)")
     return errors

@@ -9,6 +9,7 @@ ZeRO layouts of the MoE GPT equal to one process; bad input is one line.
 from __future__ import annotations
 
 import math
+import tempfile
 import subprocess
 import sys
 
@@ -163,6 +164,7 @@ def tiny(**changes) -> TrainConfig:
     ({"capacity_factor": 0.0}, "--capacity-factor must be a positive number (got 0.0)"),
     ({"aux_loss_coef": -1.0}, "--aux-loss-coef must be a non-negative number (got -1.0)"),
     ({"recompute": "full"}, "--model moe does not support --recompute full yet"),
+    ({"pp": 2, "dp": 1}, "--model moe does not support --pp > 1 yet"),
 ])
 def test_bad_moe_options_are_one_line(changes, message):
     errors = validate(tiny(**changes), 1)
@@ -262,3 +264,29 @@ def test_bad_expert_parallel_layouts_are_one_line(changes, message):
 
 def test_single_process_reference_resets_ep():
     assert tiny(ep=2, dp=2).single_process().ep == 1
+
+
+@needs_world_size(2, 4)
+@mpi_given(max_examples=1, seed=st.integers(0, 2**16))
+def test_a_checkpoint_saved_with_ep_resumes_in_another_ep(seed):
+    """Saved at ep = world (each rank writes its own experts), resumed at ep 1 (every rank holds every
+    expert) in the same world: the run continues as one process would have, step for step."""
+    folder = WORLD.bcast(tempfile.mkdtemp() if WORLD.rank == 0 else None)
+    saved = tiny(dp=WORLD.size, ep=WORLD.size, seed=seed, steps=2, save=f"{folder}/ck")
+    Trainer(saved, WORLD).run()
+    resumed = tiny(dp=WORLD.size, ep=1, seed=seed, steps=4, resume=f"{folder}/ck")
+    assert validate(resumed, WORLD.size) == []
+    trainer = Trainer(resumed, WORLD)
+    records = trainer.run()
+    full = trainer.full_state()
+    if WORLD.rank == 0:
+        assert [r["step"] for r in records] == [2, 3]
+        check = compare_with_reference(resumed.replace(resume=None), records, full)
+        assert check["max_rel_loss_deviation"] <= 1e-9, check
+        assert check["max_rel_weight_deviation"] <= 1e-9, check
+
+
+def test_a_checkpoint_of_other_experts_is_refused(tmp_path):
+    Trainer(tiny(dp=1, steps=1, save=str(tmp_path / "ck")), MPI.COMM_SELF).run()
+    errors = validate(tiny(dp=1, steps=2, n_experts=2, resume=str(tmp_path / "ck")), 1)
+    assert len(errors) == 1 and "a checkpoint of another model (n_experts 4 there, 2 here)" in errors[0], errors
