@@ -330,10 +330,13 @@ def expected_tensors(optimizer: str, momentum: float, model: str, identity: dict
     run resumes: what a checkpoint must hold for it (built on the full model, no weights drawn)."""
     fields = {key: value for key, value in identity.items() if key not in ("model", "optimizer")}
     routing = {key: fields.pop(key) for key in ("n_experts", "top_k", "capacity_factor") if key in fields}
+    net: Module
     if model == "moe":
-        net: Module = MoEGPT(GPTConfig(**fields), MoEConfig(**routing), seed=None)
+        net = MoEGPT(GPTConfig(**fields), MoEConfig(**routing), seed=None)
+    elif model == "gpt":
+        net = GPT(GPTConfig(**fields), seed=None)
     else:
-        net = GPT(GPTConfig(**fields), seed=None) if model == "gpt" else MLPNet(MLPConfig(**fields), seed=None)
+        net = MLPNet(MLPConfig(**fields), seed=None)
     rule = optim.SGD([], lr=1.0, momentum=momentum) if optimizer == "sgd" else optim.AdamW([], lr=1.0)
     state = rule.init_state(1, "float64", np)
     arrays = {"param"} | {kind for kind, value in state.items() if hasattr(value, "shape")}

@@ -9,9 +9,9 @@ ZeRO layouts of the MoE GPT equal to one process; bad input is one line.
 from __future__ import annotations
 
 import math
-import tempfile
 import subprocess
 import sys
+import tempfile
 
 import hypothesis.strategies as st
 import numpy as np
@@ -289,4 +289,5 @@ def test_a_checkpoint_saved_with_ep_resumes_in_another_ep(seed):
 def test_a_checkpoint_of_other_experts_is_refused(tmp_path):
     Trainer(tiny(dp=1, steps=1, save=str(tmp_path / "ck")), MPI.COMM_SELF).run()
     errors = validate(tiny(dp=1, steps=2, n_experts=2, resume=str(tmp_path / "ck")), 1)
-    assert len(errors) == 1 and "a checkpoint of another model (n_experts 4 there, 2 here)" in errors[0], errors
+    assert len(errors) == 1, errors
+    assert "a checkpoint of another model (n_experts 4 there, 2 here)" in errors[0], errors
