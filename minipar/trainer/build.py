@@ -116,6 +116,8 @@ def build_updater(cfg, grid, model, scaler=None):
         return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # parallel/zero_chunked.py
     if cfg.ep > 1:  # experts summed over the ranks that hold them, the rest over dp (experts.py)
         groups = model.blocks[0].mlp.groups
+        if cfg.zero == 1:  # expert states sharded over edp, the rest over dp
+            return experts.ExpertParallelZero1(model, optimizer_of, grid.dp, groups)
         return experts.ExpertParallelUpdater(model, optimizer_of(model.parameters()), grid.dp, groups)
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
         stage = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}[cfg.zero]
