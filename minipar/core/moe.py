@@ -137,13 +137,18 @@ class MoEGPT(GPT):
         self.blocks = ModuleList([Block(cfg, CausalSelfAttention(cfg, recompute == "selective", attention),
                                         layer(cfg, moe)) for _ in range(cfg.n_layer)])
         self.head = GPTHead(cfg)
-        self.aux_loss_total = 0.0  # the aux-loss part of the losses since the last `take_routing_stats`
-        self.kept_total = [[0] * moe.n_experts for _ in range(cfg.n_layer)]  # tokens per block and expert
+        self.start_routing_stats(moe)
         if seed is not None:
             self.init_parameters(seed)
 
+    def start_routing_stats(self, moe: MoEConfig) -> None:
+        self.moe = moe
+        self.aux_loss_total = 0.0  # the aux-loss part of the losses since the last `take_routing_stats`
+        self.kept_total = [[0] * moe.n_experts for _ in range(self.config.n_layer)]  # per block and expert
+
     def loss(self, logits, targets, normaliser: int):
-        """The language-model loss plus coef * (summed per-sequence aux losses) / global sequences."""
+        """The language-model loss (GPT's, or the next class's in the MRO: tensor parallelism's) plus
+        coef * (summed per-sequence aux losses) / global sequences."""
         lm = super().loss(logits, targets, normaliser)
         sequences = normaliser / targets.shape[1]
         aux = self.blocks[0].mlp.aux_loss
@@ -177,7 +182,9 @@ def config_errors(cfg) -> list[str]:
         errors.append(f"--capacity-factor must be a positive number (got {cfg.capacity_factor})")
     if not (math.isfinite(cfg.aux_loss_coef) and cfg.aux_loss_coef >= 0):
         errors.append(f"--aux-loss-coef must be a non-negative number (got {cfg.aux_loss_coef})")
-    for flag, size in (("--tp", cfg.tp), ("--pp", cfg.pp), ("--cp", cfg.cp)):
+    if cfg.sp:
+        errors.append("--model moe does not support --sp (routing needs whole sequences on each rank)")
+    for flag, size in (("--pp", cfg.pp), ("--cp", cfg.cp)):
         if size > 1:
             errors.append(f"--model moe does not support {flag} > 1 yet (experts with {flag} are not built)")
     if cfg.recompute == "full":

@@ -22,11 +22,13 @@ from minipar.core import functional as F
 from minipar.core.autograd import Function, no_grad
 from minipar.core.backend import xp_of
 from minipar.core.module import Module, ModuleList
-from minipar.core.moe import IndexAdd, MoEConfig, MoELayer, route
+from minipar.core.moe import IndexAdd, MoEConfig, MoEGPT, MoELayer, route
 from minipar.core.nn import MLP, GPTConfig, Linear
 from minipar.dist import collectives
 from minipar.dist.comm import Comm, ProcessGrid
-from minipar.parallel.api import LocalUpdater
+from minipar.parallel.api import LocalUpdater, Updater
+from minipar.parallel.tensor_gpt import TensorParallelGPT
+from minipar.parallel.zero import ZeroStage1
 
 
 class ExpertGroups:
@@ -135,6 +137,75 @@ class ExpertParallelUpdater(LocalUpdater):
         super().step()
 
 
+class TensorParallelMoEGPT(MoEGPT, TensorParallelGPT):
+    """MoE with tensor parallelism: attention, embedding and head split over tp as in tensor_gpt.py,
+    the MoE layers (router and experts) replicated over tp. Each tp rank has the whole residual stream,
+    so each routes the same tokens the same way and computes the same expert gradients: no collective
+    of its own. The loss is tensor parallelism's (next in the MRO) plus the aux loss (MoEGPT)."""
+
+    def __init__(self, cfg: GPTConfig, moe: MoEConfig, comm: Comm, seed: int | None = 0,
+                 recompute: str = "none", layer=MoELayer):
+        TensorParallelGPT.__init__(self, cfg, comm, seed=None, recompute=recompute,
+                                   mlp=lambda: layer(cfg, moe))
+        self.start_routing_stats(moe)
+        if seed is not None:
+            self.init_parameters(seed)
+
+
+class ModelPart:
+    """The parameters of `model` that `wanted(name)` picks, seen as a model of their own: its units
+    are the model's units cut down to those parameters. ZeRO shards each part over its own group."""
+
+    def __init__(self, model, wanted):
+        self.model, self.wanted = model, wanted
+
+    def named_parameters(self):
+        return [(name, p) for name, p in self.model.named_parameters() if self.wanted(name)]
+
+    def units(self):
+        return [(name, UnitPart(unit, name, self.wanted)) for name, unit in self.model.units()]
+
+
+class UnitPart:
+    """The parameters of one unit that a ModelPart picks (only `parameters()`: what ZeRO-1 asks)."""
+
+    def __init__(self, unit, prefix: str, wanted):
+        self.chosen = [p for name, p in unit.named_parameters() if wanted(f"{prefix}.{name}")]
+
+    def parameters(self):
+        return self.chosen
+
+
+def is_expert(name: str) -> bool:
+    return ".experts." in name
+
+
+class ExpertParallelZero1(Updater):
+    """ZeRO-1 with experts: the experts' optimizer states sharded over edp (the ranks holding them),
+    the rest over dp; each part is a ZeroStage1 of its own."""
+
+    def __init__(self, model, optimizer_of, dp: Comm, groups: ExpertGroups):
+        self.model = model
+        self.parts = [ZeroStage1(ModelPart(model, lambda n: not is_expert(n)), optimizer_of([]), dp),
+                      ZeroStage1(ModelPart(model, is_expert), optimizer_of([]), groups.edp)]
+        self.optimizer = self.parts[0].optimizer
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def memory(self) -> dict:
+        held = [part.memory() for part in self.parts]
+        return {key: sum(h[key] for h in held) for key in held[0]}
+
+    def checkpoint_pieces(self) -> dict:
+        return {**self.parts[0].checkpoint_pieces(), **self.parts[1].checkpoint_pieces()}
+
+    def load_logical(self, state) -> None:
+        for part in self.parts:
+            part.load_logical(state)
+
+
 def config_errors(cfg) -> list[str]:
     """`--ep`'s checks, one line each."""
     if cfg.ep == 1:
@@ -149,6 +220,6 @@ def config_errors(cfg) -> list[str]:
         errors.append(f"--ep {cfg.ep} does not divide dp={dp} (ep groups are blocks of ep dp ranks)")
     if cfg.n_experts % cfg.ep:
         errors.append(f"--n-experts {cfg.n_experts} is not divisible by --ep {cfg.ep}")
-    if cfg.zero:
-        errors.append(f"--ep with --zero {cfg.zero} is not built yet (use --zero 0)")
+    if cfg.zero > 1:
+        errors.append(f"--ep with --zero {cfg.zero} is not built yet (use --zero 0 or 1)")
     return errors

@@ -57,15 +57,19 @@ def build_model(cfg, grid):
     attention = context.RingAttentionOver(grid.cp) if cfg.cp > 1 else causal_attention
     if cfg.sp:  # the replicated regions of tensor parallelism cut along the sequence
         model = SequenceParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute)
-    elif cfg.tp > 1:  # Megatron tensor parallelism, GPT only (trainer/validate.py)
-        model = TensorParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute, attention=attention)
     elif cfg.model == "moe":  # a GPT whose MLPs are experts behind a router (core/moe.py)
         layer = MoELayer
         if cfg.ep > 1:  # --ep: each rank holds its share of the experts (parallel/experts.py)
             groups = experts.ExpertGroups(grid, cfg.ep)
             layer = partial(experts.ExpertParallelMoELayer, groups=groups)
-        model = MoEGPT(mcfg, moe_config(cfg), seed=None, recompute=cfg.recompute, attention=attention,
-                       layer=layer)
+        if cfg.tp > 1:  # attention split over tp, the MoE layers replicated over it
+            model = experts.TensorParallelMoEGPT(mcfg, moe_config(cfg), grid.tp, seed=None,
+                                                 recompute=cfg.recompute, layer=layer)
+        else:
+            model = MoEGPT(mcfg, moe_config(cfg), seed=None, recompute=cfg.recompute, attention=attention,
+                           layer=layer)
+    elif cfg.tp > 1:  # Megatron tensor parallelism, GPT only (trainer/validate.py)
+        model = TensorParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute, attention=attention)
     elif cfg.model == "gpt":  # --recompute: which activations backward recomputes (core/recompute.py)
         model = GPT(mcfg, seed=None, recompute=cfg.recompute, attention=attention)
     else:
