@@ -180,11 +180,12 @@ def test_bad_option_exits_2_with_one_line():
 
 
 @needs_world_size(2, 4)
-@mpi_given(max_examples=3, zero=st.sampled_from([0, 1, 2, 3]), top_k=st.sampled_from([1, 2]),
+@mpi_given(max_examples=3, tp=st.sampled_from([1, 2]), zero=st.sampled_from([0, 1, 2, 3]), top_k=st.sampled_from([1, 2]),
            capacity_factor=st.sampled_from([0.5, 1.0, 1.5]), microbatches=st.sampled_from([1, 2]),
            seed=st.integers(0, 2**16))
-def test_data_parallel_moe_trains_like_one_process(zero, top_k, capacity_factor, microbatches, seed):
-    cfg = tiny(dp=WORLD.size, zero=zero, top_k=top_k, capacity_factor=capacity_factor,
+def test_data_parallel_moe_trains_like_one_process(tp, zero, top_k, capacity_factor, microbatches, seed):
+    """MoE with dp (and tp, the MoE layers replicated over it) and ZeRO 0-3."""
+    cfg = tiny(dp=WORLD.size // tp, tp=tp, zero=zero, top_k=top_k, capacity_factor=capacity_factor,
                microbatches=microbatches, seed=seed)
     assert validate(cfg, WORLD.size) == []
     trainer = Trainer(cfg, WORLD)
@@ -201,20 +202,24 @@ def test_data_parallel_moe_trains_like_one_process(zero, top_k, capacity_factor,
             assert np.sum(ref["tokens_per_expert"]) <= cfg.n_layer * cfg.batch_size * cfg.seq_len * top_k
 
 
-EP_LAYOUTS = [(dp, ep) for dp in (WORLD.size,) for ep in (2, 4) if dp % ep == 0 and ep <= WORLD.size]
+# (dp, tp, ep): every dp x tp of this world with ep > 1 dividing dp (MoE layers replicated over tp)
+EP_LAYOUTS = [(WORLD.size // tp, tp, ep) for tp in (1, 2) for ep in (2, 4)
+              if WORLD.size % tp == 0 and (WORLD.size // tp) % ep == 0]
 
 
 @needs_world_size(2, 4)
-@mpi_given(max_examples=3, layout=st.sampled_from(EP_LAYOUTS or [(2, 2)]), top_k=st.sampled_from([1, 2]),
+@mpi_given(max_examples=3, layout=st.sampled_from(EP_LAYOUTS or [(2, 1, 2)]), top_k=st.sampled_from([1, 2]),
            capacity_factor=st.sampled_from([0.5, 1.0, 1.5]), microbatches=st.sampled_from([1, 2]),
            zero=st.sampled_from([0, 1]), seed=st.integers(0, 2**16),
-           examples=[at_world_size((4,), layout=(4, 2), top_k=2, capacity_factor=0.5, microbatches=2,
-                                   zero=1, seed=1)])
+           examples=[at_world_size((4,), layout=(4, 1, 2), top_k=2, capacity_factor=0.5, microbatches=2,
+                                   zero=1, seed=1),
+                     at_world_size((4,), layout=(2, 2, 2), top_k=1, capacity_factor=1.0, microbatches=1,
+                                   zero=1, seed=2)])
 def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor, microbatches, zero, seed):
-    """Experts split over ep ranks inside dp: losses, weights and the routing stats of one process,
+    """Experts split over ep ranks inside dp (with tp too): losses, weights and the routing stats of one process,
     and the all-to-all bytes of every step equal their formula, from the ledger."""
-    dp, ep = layout
-    cfg = tiny(dp=dp, ep=ep, top_k=top_k, capacity_factor=capacity_factor, microbatches=microbatches,
+    dp, tp, ep = layout
+    cfg = tiny(dp=dp, tp=tp, ep=ep, top_k=top_k, capacity_factor=capacity_factor, microbatches=microbatches,
                zero=zero, seed=seed)
     assert validate(cfg, WORLD.size) == []
     trainer = Trainer(cfg, WORLD)
@@ -255,7 +260,7 @@ def test_all_to_all_sends_block_s_to_rank_s_and_charges_what_it_sends(block, see
     ({"ep": 4, "dp": 2}, "--ep 4 does not divide dp=2 (ep groups are blocks of ep dp ranks)"),
     ({"ep": 3, "dp": 3, "n_experts": 4}, "--n-experts 4 is not divisible by --ep 3"),
     ({"ep": 2, "dp": 2, "zero": 2}, "--ep with --zero 2 is not built yet (use --zero 0 or 1)"),
-    ({"ep": 2, "tp": 2, "dp": 2}, "--model moe does not support --tp > 1 yet"),
+    ({"tp": 2, "dp": 1, "sp": True}, "--model moe does not support --sp"),
 ])
 def test_bad_expert_parallel_layouts_are_one_line(changes, message):
     cfg = tiny(**changes)
