@@ -263,7 +263,7 @@ def config_errors(cfg) -> list[str]:
     if cfg.model == "mlp" and cfg.tp > 1:
         # MLPNet's layers are separate pipeline units; Megatron's column/row pairing would leave a
         # split activation at a unit boundary, so tensor parallelism is kept to the GPT.
-        return [f"--tp {cfg.tp} needs --model gpt or moe (tensor parallelism splits the GPT's layers)"]
+        return [f"--tp {cfg.tp} needs --model gpt (tensor parallelism splits the GPT's layers)"]
     if cfg.n_head % cfg.tp:  # tp = 1 for the MLP here
         return [f"--tp {cfg.tp} does not divide --n-head {cfg.n_head}: "
                 "each tensor-parallel rank must own whole attention heads"]
