@@ -180,7 +180,8 @@ def test_bad_option_exits_2_with_one_line():
 
 
 @needs_world_size(2, 4)
-@mpi_given(max_examples=3, tp=st.sampled_from([1, 2]), zero=st.sampled_from([0, 1, 2, 3]), top_k=st.sampled_from([1, 2]),
+@mpi_given(max_examples=3, tp=st.sampled_from([1, 2]), zero=st.sampled_from([0, 1, 2, 3]),
+           top_k=st.sampled_from([1, 2]),
            capacity_factor=st.sampled_from([0.5, 1.0, 1.5]), microbatches=st.sampled_from([1, 2]),
            seed=st.integers(0, 2**16))
 def test_data_parallel_moe_trains_like_one_process(tp, zero, top_k, capacity_factor, microbatches, seed):
@@ -216,8 +217,8 @@ EP_LAYOUTS = [(WORLD.size // tp, tp, ep) for tp in (1, 2) for ep in (2, 4)
                      at_world_size((4,), layout=(2, 2, 2), top_k=1, capacity_factor=1.0, microbatches=1,
                                    zero=1, seed=2)])
 def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor, microbatches, zero, seed):
-    """Experts split over ep ranks inside dp (with tp too): losses, weights and the routing stats of one process,
-    and the all-to-all bytes of every step equal their formula, from the ledger."""
+    """Experts split over ep ranks inside dp (with tp too): losses, weights and the routing stats of
+    one process, and the all-to-all bytes of every step equal their formula, from the ledger."""
     dp, tp, ep = layout
     cfg = tiny(dp=dp, tp=tp, ep=ep, top_k=top_k, capacity_factor=capacity_factor, microbatches=microbatches,
                zero=zero, seed=seed)
