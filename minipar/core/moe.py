@@ -15,8 +15,8 @@ sequence's T*k assignments that chose e (before dropping) and P_e the router's m
 over the sequence; summed over blocks, averaged over the global batch's sequences, times
 `--aux-loss-coef`. Its gradient flows through P only (the choice is not differentiable).
 
-What it costs: E times the MLP parameters and their optimizer states; with expert parallelism (not
-built yet) tokens would travel to their expert's rank and back by all-to-all.
+What it costs: E times the MLP parameters and their optimizer states (expert parallelism,
+parallel/experts.py, splits them over ranks; tokens then travel to their expert and back by all-to-all).
 Lesson: lessons/15_experts.md.
 """
 
