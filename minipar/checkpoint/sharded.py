@@ -46,6 +46,8 @@ from pathlib import Path
 import numpy as np
 
 from minipar.core import optim
+from minipar.core.module import Module
+from minipar.core.moe import MoEConfig, MoEGPT
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet
 from minipar.dist.comm import inject_fault
 from minipar.parallel.logical_state import Piece, assemble
@@ -226,6 +228,8 @@ def model_identity(cfg, model_config) -> dict:
     re-cut and cast, so the config's dtype is left out."""
     model = dataclasses.asdict(model_config)
     model.pop("dtype")
+    if cfg.model == "moe":  # the experts (their names) and how tokens reach them (core/moe.py)
+        model.update(n_experts=cfg.n_experts, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor)
     return {"model": cfg.model, **model, "optimizer": cfg.optimizer}
 
 
@@ -325,7 +329,14 @@ def expected_tensors(optimizer: str, momentum: float, model: str, identity: dict
     """{name: (full shape, the kinds of arrays, the kinds of counts)} of the model and optimizer a
     run resumes: what a checkpoint must hold for it (built on the full model, no weights drawn)."""
     fields = {key: value for key, value in identity.items() if key not in ("model", "optimizer")}
-    net = GPT(GPTConfig(**fields), seed=None) if model == "gpt" else MLPNet(MLPConfig(**fields), seed=None)
+    routing = {key: fields.pop(key) for key in ("n_experts", "top_k", "capacity_factor") if key in fields}
+    net: Module
+    if model == "moe":
+        net = MoEGPT(GPTConfig(**fields), MoEConfig(**routing), seed=None)
+    elif model == "gpt":
+        net = GPT(GPTConfig(**fields), seed=None)
+    else:
+        net = MLPNet(MLPConfig(**fields), seed=None)
     rule = optim.SGD([], lr=1.0, momentum=momentum) if optimizer == "sgd" else optim.AdamW([], lr=1.0)
     state = rule.init_state(1, "float64", np)
     arrays = {"param"} | {kind for kind, value in state.items() if hasattr(value, "shape")}

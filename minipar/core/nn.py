@@ -17,7 +17,7 @@ from minipar.core.backend import current as current_backend
 from minipar.core.module import Module, ModuleList, Parameter, initial_value  # noqa: F401
 from minipar.core.recompute import checkpoint
 
-MODELS = ("gpt", "mlp")  # `minipar train --model`: GPT or MLPNet, both defined below
+MODELS = ("gpt", "mlp", "moe")  # `minipar train --model`: GPT or MLPNet below, MoEGPT in moe.py
 
 
 class Linear(Module):

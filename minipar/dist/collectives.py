@@ -137,6 +137,25 @@ def ring_all_reduce(comm: Comm, x, wire: Wire = UNCHANGED):
     return backend.current().from_host(summed.reshape(host.shape))
 
 
+def all_to_all(comm: Comm, blocks):
+    """Block s of this rank's `blocks` (leading axis = comm.size) goes to rank s; returns the blocks
+    received, block r from rank r. Built from Sendrecv in N-1 steps: at step i each rank sends to
+    rank + i and receives from rank - i, so no two ranks wait on each other. Every rank keeps its own
+    block and sends the other N-1: (N-1)/N of the buffer, charged per step to its destination's link.
+    Expert parallelism dispatches tokens with it (parallel/experts.py, lessons/15_experts.md)."""
+    host = numpy.ascontiguousarray(backend.current().to_host(blocks))
+    if host.shape[0] != comm.size:
+        raise ValueError(f"all_to_all needs {comm.size} blocks (one per rank), got {host.shape[0]}")
+    received = numpy.empty_like(host)
+    received[comm.rank] = host[comm.rank]
+    for step in range(1, comm.size):
+        dest, source = (comm.rank + step) % comm.size, (comm.rank - step) % comm.size
+        with comm.watch(f"all_to_all to rank {dest}, from rank {source}"):
+            comm.mpi.Sendrecv(host[dest], dest=dest, recvbuf=received[source], source=source)
+        comm.ledger.charge(comm.name, "all_to_all", host[dest].nbytes, 1, link=comm.link_to(dest))
+    return backend.current().from_host(received)
+
+
 def _median_seconds(comm: Comm, run, repeats: int) -> float:
     times = []
     for _ in range(repeats):

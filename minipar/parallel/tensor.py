@@ -260,7 +260,7 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, vocab_size: 
 
 def config_errors(cfg) -> list[str]:
     """Tensor parallelism splits attention by whole heads, and only the GPT's layers."""
-    if cfg.model != "gpt" and cfg.tp > 1:
+    if cfg.model == "mlp" and cfg.tp > 1:
         # MLPNet's layers are separate pipeline units; Megatron's column/row pairing would leave a
         # split activation at a unit boundary, so tensor parallelism is kept to the GPT.
         return [f"--tp {cfg.tp} needs --model gpt (tensor parallelism splits the GPT's layers)"]

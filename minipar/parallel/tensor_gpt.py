@@ -24,17 +24,18 @@ from minipar.parallel.tensor import (
 
 class TensorParallelGPT(GPT):
     """nn.GPT with every weight matrix split over `comm` (Megatron's layout); `units()` and `forward()`
-    are GPT's own."""
+    are GPT's own. `mlp()`, when given, makes each block's MLP instead (a MoE layer replicated over tp:
+    parallel/experts.py)."""
 
     def __init__(self, cfg: GPTConfig, comm, seed: int | None = 0, recompute: str = "none",
-                 attention=causal_attention):
+                 attention=causal_attention, mlp=None):
         Module.__init__(self)  # GPT's three parts, built here from split layers instead of dense ones
         self.config, self.comm = cfg, comm
         wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, comm, dtype=cfg.dtype)
         self.embed = GPTEmbedding(cfg, wte=wte)
         selective, full = recompute == "selective", recompute == "full"
         self.blocks = ModuleList([Block(cfg, attn=ParallelAttention(cfg, comm, selective, attention),
-                                        mlp=ParallelMLP(cfg, comm), recompute=full)
+                                        mlp=mlp() if mlp else ParallelMLP(cfg, comm), recompute=full)
                                   for _ in range(cfg.n_layer)])
         lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, comm, bias=False, dtype=cfg.dtype)
         self.head = GPTHead(cfg, lm_head=lm_head)

@@ -19,10 +19,13 @@ Lesson: lessons/07_3d.md.
 
 from __future__ import annotations
 
+from functools import partial
+
 from minipar.core import optim
+from minipar.core.moe import MoEConfig, MoEGPT, MoELayer
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet, causal_attention
 from minipar.fusion import training as fused_training
-from minipar.parallel import context, pipeline
+from minipar.parallel import context, experts, pipeline
 from minipar.parallel.api import LocalUpdater, MicrobatchRunner
 from minipar.parallel.ddp import DistributedDataParallel
 from minipar.parallel.sequence import SequenceParallelGPT
@@ -35,9 +38,13 @@ from minipar.trainer.engine import Engine
 from minipar.trainer.tasks import AdditionTask
 
 
+def moe_config(cfg) -> MoEConfig:
+    return MoEConfig(cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef)
+
+
 def model_config(cfg):
     """The architecture `cfg` asks for (core/nn.py's GPTConfig or MLPConfig)."""
-    if cfg.model == "gpt":
+    if cfg.is_gpt:
         return GPTConfig(vocab_size=AdditionTask.vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer,
                          n_head=cfg.n_head, d_model=cfg.d_model, dtype=cfg.dtype)
     return MLPConfig(d_hidden=cfg.d_model, n_layer=cfg.n_layer, dtype=cfg.dtype)
@@ -50,6 +57,17 @@ def build_model(cfg, grid):
     attention = context.RingAttentionOver(grid.cp) if cfg.cp > 1 else causal_attention
     if cfg.sp:  # the replicated regions of tensor parallelism cut along the sequence
         model = SequenceParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute)
+    elif cfg.model == "moe":  # a GPT whose MLPs are experts behind a router (core/moe.py)
+        layer = MoELayer
+        if cfg.ep > 1:  # --ep: each rank holds its share of the experts (parallel/experts.py)
+            groups = experts.ExpertGroups(grid, cfg.ep)
+            layer = partial(experts.ExpertParallelMoELayer, groups=groups)
+        if cfg.tp > 1:  # attention split over tp, the MoE layers replicated over it
+            model = experts.TensorParallelMoEGPT(mcfg, moe_config(cfg), grid.tp, seed=None,
+                                                 recompute=cfg.recompute, layer=layer)
+        else:
+            model = MoEGPT(mcfg, moe_config(cfg), seed=None, recompute=cfg.recompute, attention=attention,
+                           layer=layer)
     elif cfg.tp > 1:  # Megatron tensor parallelism, GPT only (trainer/validate.py)
         model = TensorParallelGPT(mcfg, grid.tp, seed=None, recompute=cfg.recompute, attention=attention)
     elif cfg.model == "gpt":  # --recompute: which activations backward recomputes (core/recompute.py)
@@ -100,6 +118,11 @@ def build_updater(cfg, grid, model, scaler=None):
 
     if chunked(cfg):
         return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # parallel/zero_chunked.py
+    if cfg.ep > 1:  # experts summed over the ranks that hold them, the rest over dp (experts.py)
+        groups = model.blocks[0].mlp.groups
+        if cfg.zero == 1:  # expert states sharded over edp, the rest over dp
+            return experts.ExpertParallelZero1(model, optimizer_of, grid.dp, groups)
+        return experts.ExpertParallelUpdater(model, optimizer_of(model.parameters()), grid.dp, groups)
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
         stage = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}[cfg.zero]
         return stage(model, optimizer_of([]), grid.dp_cp)

@@ -91,6 +91,13 @@ class TrainConfig:
     n_layer: int = option(4, "transformer blocks (GPT) or layers (MLP)")
     n_head: int = option(4, "attention heads per block")
     d_model: int = option(64, "width of the residual stream (GPT) or of the hidden layers (MLP)")
+    n_experts: int = option(4, "--model moe: experts per block (core/moe.py)")
+    top_k: int = option(1, "--model moe: experts each token is routed to")
+    capacity_factor: float = option(1.0, "--model moe: an expert takes at most ceil(factor*T*k/E) "
+                                    "tokens of each sequence; the rest are dropped in position order")
+    aux_loss_coef: float = option(0.01, "--model moe: weight of the load-balancing loss")
+    ep: int = option(1, "--model moe: expert parallelism, the experts split over blocks of ep dp ranks "
+                     "(parallel/experts.py)", single_process=1)
     bucket_mb: float = option(0.25, "DDP gradient bucket size")
     recompute: str = option("none", "activations recomputed in backward instead of kept: the attention "
                             "cores (selective) or whole blocks (full)", RECOMPUTE_MODES,
@@ -135,4 +142,9 @@ class TrainConfig:
 
     def n_units(self) -> int:
         """Pipeline units of the model: embedding + blocks + head for the GPT, layers for the MLP."""
-        return self.n_layer + 2 if self.model == "gpt" else self.n_layer
+        return self.n_layer + 2 if self.is_gpt else self.n_layer
+
+    @property
+    def is_gpt(self) -> bool:
+        """A GPT on token data: dense (gpt) or mixture of experts (moe)."""
+        return self.model in ("gpt", "moe")

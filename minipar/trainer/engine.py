@@ -29,10 +29,11 @@ class Engine:
                  loss_scaler: DynamicLossScaler | None = None):
         self.cfg, self.grid, self.model, self.runner, self.updater = cfg, grid, model, runner, updater
         self.loss_scaler = loss_scaler
+        self.routing: dict | None = None  # --model moe: the last step's aux loss, tokens per expert
 
     def normaliser(self, targets) -> int:
         """The global count the summed loss is divided by: tokens for the GPT, samples for the MLP."""
-        return targets.size if self.cfg.model == "gpt" else len(targets)
+        return targets.size if self.cfg.is_gpt else len(targets)
 
     def train_step(self, inputs, targets) -> float:
         grid = self.grid
@@ -40,7 +41,18 @@ class Engine:
         self.model.zero_grad()
         loss = self.runner.forward_backward(inputs[mine], targets[mine], self.normaliser(targets))
         self.updater.step()
+        self.routing = self.global_routing_stats()
         return self.global_loss(loss)
+
+    def global_routing_stats(self) -> dict | None:
+        """--model moe: the load-balancing part of the step's loss and the tokens each block's
+        experts kept, summed over the replicas (None for other models). Uncharged control bytes."""
+        if self.cfg.model != "moe":
+            return None
+        aux, kept = self.model.take_routing_stats()
+        every = self.grid.dp_cp.allgather_obj((aux, kept))
+        return {"aux_loss": sum(a for a, _ in every),
+                "tokens_per_expert": np.sum([k for _, k in every], axis=0).tolist()}
 
     def global_loss(self, local_loss) -> float:
         """Sum the replicas' losses and hand the last stage's value to every rank.

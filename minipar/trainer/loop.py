@@ -26,7 +26,7 @@ from minipar.trainer.tasks import AdditionTask, RegressionTask
 
 
 def make_task(cfg: TrainConfig):
-    if cfg.model == "gpt":
+    if cfg.is_gpt:
         return AdditionTask(cfg.seq_len, cfg.seed)
     mcfg = build.model_config(cfg)
     return RegressionTask(mcfg.d_in, mcfg.d_out, cfg.seed, cfg.dtype)  # batches in the model's dtype
@@ -97,7 +97,7 @@ class Trainer:
         record = {
             "step": step,
             "loss": float(loss),
-            "tokens_per_s": float((targets.size if cfg.model == "gpt" else len(targets)) / elapsed),
+            "tokens_per_s": float((targets.size if cfg.is_gpt else len(targets)) / elapsed),
             "time_s": elapsed,
             "mem": self.memory.report(),
             "comm": {**traffic.step_report(), **traffic.step_links()},  # by_link: intra-/inter-node
@@ -108,6 +108,7 @@ class Trainer:
             "loss_scaling": self.engine.runner.log_record(),  # fp16: the scale, whether skipped (mixed.py)
         }
         record.update((key, value) for key, value in optional.items() if value)
+        record.update(self.engine.routing or {})  # moe: aux_loss (a part of "loss"), tokens_per_expert
         return record
 
     def run(self) -> list[dict]:

@@ -68,7 +68,7 @@ def zero_stage(cfg) -> str:
 def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None) -> str:
     last = records[-1]
     rate = np.median([r["tokens_per_s"] for r in records[1:]] or [last["tokens_per_s"]])
-    unit = "tokens/s" if cfg.model == "gpt" else "samples/s"
+    unit = "tokens/s" if cfg.is_gpt else "samples/s"
     lines = [
         "",
         f"layout: dp={cfg.dp} pp={cfg.pp} {f'cp={cfg.cp} ' if cfg.cp > 1 else ''}tp={cfg.tp} "

@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 
 from minipar.checkpoint import sharded as checkpoint
-from minipar.core import backend, recompute
-from minipar.parallel import context, pipeline, sequence, tensor, zero_chunked
+from minipar.core import backend, moe, recompute
+from minipar.parallel import context, experts, pipeline, sequence, tensor, zero_chunked
 from minipar.precision import mixed
 from minipar.trainer.build import build_model, build_optimizer, model_config
 from minipar.trainer.config import TrainConfig
@@ -106,13 +106,14 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
     elif (cfg.batch_size // cfg.dp) % cfg.microbatches:
         errors.append(f"the per-replica batch {cfg.batch_size // cfg.dp} is not divisible by "
                       f"--microbatches {cfg.microbatches}")
-    if cfg.model == "gpt" and cfg.d_model % cfg.n_head:
+    if cfg.is_gpt and cfg.d_model % cfg.n_head:
         errors.append(f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}")
     errors += (tensor.config_errors(cfg) + recompute.config_errors(cfg) + sequence.config_errors(cfg)
-               + context.config_errors(cfg) + pipeline.config_errors(cfg))
+               + context.config_errors(cfg) + pipeline.config_errors(cfg) + moe.config_errors(cfg)
+               + experts.config_errors(cfg))
     if cfg.pp > cfg.n_units():
         blocks = f"{cfg.n_layer} layers"
-        if cfg.model == "gpt":
+        if cfg.is_gpt:
             blocks = f"embedding, {blocks} and head"
         errors.append(f"--pp {cfg.pp} is more stages than the model's {cfg.n_units()} blocks ({blocks}); "
                       "each stage needs at least one")
@@ -126,7 +127,7 @@ def estimated_bytes(cfg: TrainConfig) -> int:
     size that would take hours to allocate is refused at once."""
     itemsize = 8 if cfg.precision == "fp64" else 4
     d, layers = cfg.d_model, cfg.n_layer
-    if cfg.model == "gpt":
+    if cfg.is_gpt:
         params = layers * 12 * d * d + (2 * 13 + cfg.seq_len) * d
         rows = cfg.batch_size // (cfg.dp * cfg.microbatches) * cfg.seq_len
         activations = layers * rows * (16 * d + 2 * cfg.n_head * cfg.seq_len) // (cfg.tp * cfg.pp)

@@ -24,7 +24,7 @@ from minipar.trainer.validate import validate
 SWITCH = "store_true"
 # flag: (default, choices, type or SWITCH), in the order `--help` lists them
 FLAGS = {
-    "--model": ("gpt", ("gpt", "mlp"), str),
+    "--model": ("gpt", ("gpt", "mlp", "moe"), str),
     "--dp": (None, None, int),
     "--tp": (1, None, int),
     "--pp": (1, None, int),
@@ -53,6 +53,11 @@ FLAGS = {
     "--n-layer": (4, None, int),
     "--n-head": (4, None, int),
     "--d-model": (64, None, int),
+    "--n-experts": (4, None, int),
+    "--top-k": (1, None, int),
+    "--capacity-factor": (1.0, None, float),
+    "--aux-loss-coef": (0.01, None, float),
+    "--ep": (1, None, int),
     "--bucket-mb": (0.25, None, float),
     "--recompute": ("none", ("none", "selective", "full"), str),
     "--fused": (False, None, SWITCH),

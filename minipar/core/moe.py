@@ -1,0 +1,193 @@
+"""Mixture of experts: a GPT whose MLPs are E experts behind a top-k router (`--model moe`).
+
+Idea (Switch Transformer, GShard): each block's MLP becomes E MLPs, the experts; a linear router
+scores every token, and the token goes to its k best experts only, its output their outputs weighted
+by the router's probabilities. Parameters grow E-fold while the work per token stays that of k MLPs.
+
+Capacity: an expert takes at most C = ceil(capacity_factor * T * k / E) tokens of each sequence of T
+tokens; the assignments of a sequence are taken in position order (position t's first choice, then its
+second, ..., then position t+1's), and those past C are dropped (their MoE output is 0, the residual
+carries them on). Capacity and the auxiliary load-balancing loss are computed per sequence (Megatron's
+`seq_aux_loss`), so how a batch is split over ranks never changes which tokens are dropped.
+
+Auxiliary loss (Switch, per sequence): aux_s = E * sum_e f_e * P_e, with f_e the share of the
+sequence's T*k assignments that chose e (before dropping) and P_e the router's mean probability for e
+over the sequence; summed over blocks, averaged over the global batch's sequences, times
+`--aux-loss-coef`. Its gradient flows through P only (the choice is not differentiable).
+
+What it costs: E times the MLP parameters and their optimizer states (expert parallelism,
+parallel/experts.py, splits them over ranks; tokens then travel to their expert and back by all-to-all).
+Lesson: lessons/15_experts.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minipar.core import functional as F
+from minipar.core.autograd import Function, Tensor
+from minipar.core.backend import xp_of
+from minipar.core.module import Module, ModuleList
+from minipar.core.nn import (
+    GPT,
+    MLP,
+    Block,
+    CausalSelfAttention,
+    GPTConfig,
+    GPTEmbedding,
+    GPTHead,
+    Linear,
+    causal_attention,
+)
+
+
+@dataclass
+class MoEConfig:
+    n_experts: int = 4
+    top_k: int = 1
+    capacity_factor: float = 1.0
+    aux_loss_coef: float = 0.01
+
+    def capacity(self, seq_len: int) -> int:
+        """Most tokens of one sequence an expert takes: ceil(factor * T * k / E), at least 1."""
+        return max(1, math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts))
+
+
+def route(probs, top_k: int, capacity: int):
+    """The routing decision from router probabilities (B, T, E), as plain arrays.
+
+    Returns `choice` (B, T, k): each token's experts, best first (ties to the lower index);
+    `kept` (B, T, k): whether the assignment fits in its expert's capacity, assignments of a sequence
+    taken in position order; `counts` (B, E): assignments per expert and sequence, before dropping;
+    `slot` (B, T, k): the assignment's place in its expert's queue for the sequence (kept: < capacity)."""
+    xp = xp_of(probs)
+    B, T, E = probs.shape
+    choice = xp.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
+    onehot = (choice.reshape(B, T * top_k)[..., None] == xp.arange(E)).astype(xp.int64)  # (B, T*k, E)
+    rank_in_expert = (xp.cumsum(onehot, axis=1) * onehot).sum(-1) - 1  # place in its expert's queue
+    kept = (rank_in_expert < capacity).reshape(B, T, top_k)
+    return choice, kept, onehot.sum(axis=1), rank_in_expert.reshape(B, T, top_k)
+
+
+class IndexAdd(Function):
+    """out = zeros(rows, d); out[index] += y (repeated rows add): the combine step of the experts."""
+
+    @staticmethod
+    def forward(ctx, y, index, rows: int):
+        ctx.index = index
+        out = xp_of(y).zeros((rows,) + y.shape[1:], dtype=y.dtype)
+        xp_of(y).add.at(out, index, y)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.index], None, None
+
+
+class MoELayer(Module):
+    """Router plus E expert MLPs in place of a block's MLP. After each forward, `aux_loss` holds this
+    layer's summed per-sequence aux loss (a Tensor, before the coefficient and the 1/sequences) and
+    `tokens_per_expert` (E,) the assignments each expert kept."""
+
+    def __init__(self, cfg: GPTConfig, moe: MoEConfig):
+        super().__init__()
+        self.moe = moe
+        self.router = Linear(cfg.d_model, moe.n_experts, bias=False, dtype=cfg.dtype)
+        self.experts = ModuleList([MLP(cfg) for _ in range(moe.n_experts)])
+        self.aux_loss: Tensor | None = None
+        self.tokens_per_expert: list[int] = []
+
+    def forward(self, x):
+        B, T, D = x.shape
+        E, k = self.moe.n_experts, self.moe.top_k
+        probs = F.softmax(self.router(x), axis=-1)
+        choice, kept, counts, _ = route(probs.data, k, self.moe.capacity(T))
+        self.aux_loss = self.sequence_aux_loss(probs, counts, T)
+        flat_x, flat_probs = x.reshape(B * T, D), probs.reshape(B * T, E)
+        tokens = xp_of(x.data).repeat(xp_of(x.data).arange(B * T), k)  # token of each assignment
+        experts, keep = choice.reshape(-1), kept.reshape(-1)
+        outputs = []
+        for e, expert in enumerate(self.experts):  # every expert runs, on 0 tokens too: its grads exist
+            mine = tokens[keep & (experts == e)]  # in position order
+            gate = flat_probs[mine, e].reshape(len(mine), 1)
+            outputs.append(IndexAdd.apply(expert(flat_x[mine]) * gate, mine, B * T))
+        self.tokens_per_expert = [int((keep & (experts == e)).sum()) for e in range(E)]
+        out = outputs[0]
+        for y in outputs[1:]:
+            out = out + y
+        return out.reshape(B, T, D)
+
+    def sequence_aux_loss(self, probs, counts, T: int):
+        """sum over sequences of E * sum_e (counts_e / (T k)) * mean_t probs_e, as one weighted sum."""
+        E, k = self.moe.n_experts, self.moe.top_k
+        weights = (E / (T * k * T)) * counts[:, None, :].astype(probs.data.dtype)  # (B, 1, E)
+        return (probs * weights).sum()
+
+
+class MoEGPT(GPT):
+    """GPT with every block's MLP a MoELayer (`layer(cfg, moe)` makes them: expert parallelism passes its
+    own); the same units, embedding, attention and head."""
+
+    def __init__(self, cfg: GPTConfig, moe: MoEConfig, seed: int | None = 0, recompute: str = "none",
+                 attention=causal_attention, layer=MoELayer):
+        Module.__init__(self)  # GPT's __init__ would build dense blocks: this builds MoE ones
+        self.config, self.moe = cfg, moe
+        self.embed = GPTEmbedding(cfg)
+        self.blocks = ModuleList([Block(cfg, CausalSelfAttention(cfg, recompute == "selective", attention),
+                                        layer(cfg, moe)) for _ in range(cfg.n_layer)])
+        self.head = GPTHead(cfg)
+        self.start_routing_stats(moe)
+        if seed is not None:
+            self.init_parameters(seed)
+
+    def start_routing_stats(self, moe: MoEConfig) -> None:
+        self.moe = moe
+        self.aux_loss_total = 0.0  # the aux-loss part of the losses since the last `take_routing_stats`
+        self.kept_total = [[0] * moe.n_experts for _ in range(self.config.n_layer)]  # per block and expert
+
+    def loss(self, logits, targets, normaliser: int):
+        """The language-model loss (GPT's, or the next class's in the MRO: tensor parallelism's) plus
+        coef * (summed per-sequence aux losses) / global sequences."""
+        lm = super().loss(logits, targets, normaliser)
+        sequences = normaliser / targets.shape[1]
+        aux = self.blocks[0].mlp.aux_loss
+        for block in list(self.blocks)[1:]:
+            aux = aux + block.mlp.aux_loss
+        for block, kept in zip(self.blocks, self.kept_total):
+            kept[:] = [a + b for a, b in zip(kept, block.mlp.tokens_per_expert)]
+        aux = aux * (self.moe.aux_loss_coef / sequences)
+        self.aux_loss_total += aux.item()
+        return lm + aux
+
+    def take_routing_stats(self) -> tuple[float, list[list[int]]]:
+        """This rank's aux-loss part of the losses and the tokens each block's experts kept, since
+        the last call (for the log)."""
+        stats = (self.aux_loss_total, self.kept_total)
+        self.aux_loss_total = 0.0
+        self.kept_total = [[0] * self.moe.n_experts for _ in self.blocks]
+        return stats
+
+
+def config_errors(cfg) -> list[str]:
+    """`--model moe`'s checks: one line each, naming the flags."""
+    if cfg.model != "moe":
+        return []
+    errors = []
+    if cfg.n_experts < 1:
+        errors.append(f"--n-experts must be at least 1 (got {cfg.n_experts})")
+    elif not 1 <= cfg.top_k <= cfg.n_experts:
+        errors.append(f"--top-k must be between 1 and --n-experts {cfg.n_experts} (got {cfg.top_k})")
+    if not (math.isfinite(cfg.capacity_factor) and cfg.capacity_factor > 0):
+        errors.append(f"--capacity-factor must be a positive number (got {cfg.capacity_factor})")
+    if not (math.isfinite(cfg.aux_loss_coef) and cfg.aux_loss_coef >= 0):
+        errors.append(f"--aux-loss-coef must be a non-negative number (got {cfg.aux_loss_coef})")
+    if cfg.sp:
+        errors.append("--model moe does not support --sp (routing needs whole sequences on each rank)")
+    for flag, size in (("--pp", cfg.pp), ("--cp", cfg.cp)):
+        if size > 1:
+            errors.append(f"--model moe does not support {flag} > 1 yet (experts with {flag} are not built)")
+    if cfg.recompute == "full":
+        errors.append("--model moe does not support --recompute full yet (the aux loss is taken "
+                      "from the forward pass)")
+    return errors

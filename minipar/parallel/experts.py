@@ -1,0 +1,225 @@
+"""Expert parallelism (`--ep E`): the experts of each MoE block split over E ranks inside dp.
+
+Idea (GShard, DeepSpeed-MoE): the dp ranks form blocks of E consecutive ranks (the "ep" group); in
+a block, rank j holds experts j*n/E .. (j+1)*n/E - 1 of each MoE layer (n = --n-experts), and the
+router and everything else stay replicated as in data parallelism. Each rank routes its own
+tokens (core/moe.py: per sequence, so the same tokens are dropped as on one process), writes them
+into a dispatch buffer padded to capacity, (n, b, C, d) for its b sequences, and an all-to-all over
+the ep group sends expert e's rows to e's rank; the experts run on what arrives, and a second
+all-to-all brings the outputs home to be weighted by the gates. Gradients: the router's and the
+attention's are summed over all of dp; an expert's only over the ranks that hold it (the
+expert-data-parallel group "edp": the same place in every ep block).
+
+What it saves: each rank holds n/E experts instead of n (their parameters, gradients and optimizer
+states). What it costs: two all-to-alls forward and two backward per MoE layer, each (E-1)/E of the
+dispatch buffer, n*b*C*d elements: a formula, since the buffer is padded to capacity.
+Lesson: lessons/15_experts.md.
+"""
+
+from __future__ import annotations
+
+from minipar.core import functional as F
+from minipar.core.autograd import Function, no_grad
+from minipar.core.backend import xp_of
+from minipar.core.module import Module, ModuleList
+from minipar.core.moe import IndexAdd, MoEConfig, MoEGPT, MoELayer, route
+from minipar.core.nn import MLP, GPTConfig, Linear
+from minipar.dist import collectives
+from minipar.dist.comm import Comm, ProcessGrid
+from minipar.parallel.api import LocalUpdater, Updater
+from minipar.parallel.tensor_gpt import TensorParallelGPT
+from minipar.parallel.zero import ZeroStage1
+
+
+class ExpertGroups:
+    """The two communicators of expert parallelism, split from dp: `ep` (a block of ep consecutive
+    dp ranks: tokens travel inside it) and `edp` (the ranks at the same place of every block: they
+    hold the same experts and sum their gradients)."""
+
+    def __init__(self, grid: ProcessGrid, ep: int):
+        block, place = divmod(grid.dp_rank, ep)
+        nodes = grid.dp.nodes
+        self.ep: Comm = grid.dp.split(color=block, key=place, name="ep",
+                                      nodes=None if nodes is None else nodes[block * ep:(block + 1) * ep])
+        self.edp: Comm = grid.dp.split(color=place, key=block, name="edp",
+                                       nodes=None if nodes is None else nodes[place::ep])
+
+
+class AllToAll(Function):
+    """Forward: the all-to-all of blocks over `comm`. Backward: the same exchange of the gradients,
+    since sending block s to rank s is a permutation whose inverse sends block r back to rank r."""
+
+    @staticmethod
+    def forward(ctx, blocks, comm):
+        ctx.comm = comm
+        return collectives.all_to_all(comm, blocks)
+
+    @staticmethod
+    def backward(ctx, g):
+        return collectives.all_to_all(ctx.comm, g), None
+
+
+class LocalExperts(ModuleList):
+    """This rank's experts, named by their global index, so names match the one-process model."""
+
+    def __init__(self, cfg: GPTConfig, first: int, count: int):
+        super().__init__([])
+        self.first = first
+        for e in range(first, first + count):
+            self.add_module(str(e), MLP(cfg))
+
+
+class ExpertParallelMoELayer(MoELayer):
+    """MoELayer whose experts live on the ranks of `groups.ep`; the same routing and aux loss."""
+
+    def __init__(self, cfg: GPTConfig, moe: MoEConfig, groups: ExpertGroups):
+        Module.__init__(self)  # MoELayer's __init__ would build every expert: this builds this rank's
+        self.moe, self.groups = moe, groups
+        self.per_rank = moe.n_experts // groups.ep.size
+        self.router = Linear(cfg.d_model, moe.n_experts, bias=False, dtype=cfg.dtype)
+        self.experts = LocalExperts(cfg, groups.ep.rank * self.per_rank, self.per_rank)
+        self.aux_loss = None
+        self.tokens_per_expert = []
+
+    def forward(self, x):
+        B, T, D = x.shape
+        E, k, C = self.moe.n_experts, self.moe.top_k, self.moe.capacity(T)
+        probs = F.softmax(self.router(x), axis=-1)
+        choice, kept, counts, slot = route(probs.data, k, C)
+        self.aux_loss = self.sequence_aux_loss(probs, counts, T)
+        xp = xp_of(x.data)
+        keep = kept.reshape(-1)
+        tokens = xp.repeat(xp.arange(B * T), k)[keep]
+        experts = choice.reshape(-1)[keep]
+        sequences = tokens // T
+        rows = (experts * B + sequences) * C + slot.reshape(-1)[keep]  # its row of the (E, B, C) buffer
+        self.tokens_per_expert = [int((experts == e).sum()) for e in range(E)]
+        dispatch = IndexAdd.apply(x.reshape(B * T, D)[tokens], rows, E * B * C)
+        outputs = self.run_experts(dispatch.reshape(self.groups.ep.size, self.per_rank * B * C * D), B, C, D)
+        gate = probs.reshape(B * T, E)[tokens, experts].reshape(len(tokens), 1)
+        return IndexAdd.apply(outputs[rows] * gate, tokens, B * T).reshape(B, T, D)
+
+    def run_experts(self, dispatch, B: int, C: int, D: int):
+        """All-to-all the dispatch buffer, run each local expert on its rows from every ep rank (padding
+        included: its outputs are never combined, so it gets no gradient), and all-to-all back."""
+        n = self.groups.ep.size
+        arrived = AllToAll.apply(dispatch, self.groups.ep).reshape(n, self.per_rank, B * C, D)
+        outs = [expert(arrived[:, j].reshape(n * B * C, D)).reshape(n, 1, B * C, D)
+                for j, expert in enumerate(self.experts)]
+        back = F.concatenate(outs, axis=1).reshape(n, self.per_rank * B * C * D)
+        return AllToAll.apply(back, self.groups.ep).reshape(self.moe.n_experts * B * C, D)
+
+
+def dispatch_bytes_per_step(cfg, local_sequences: int) -> int:
+    """All-to-all bytes one rank sends per step: 4 all-to-alls per MoE layer and micro-batch (two
+    forward, two backward), each (ep-1)/ep of the padded buffer n_experts * b * C * d_model."""
+    itemsize = 8 if cfg.precision == "fp64" else 4
+    capacity = MoEConfig(cfg.n_experts, cfg.top_k, cfg.capacity_factor).capacity(cfg.seq_len)
+    b = local_sequences // cfg.microbatches
+    buffer = cfg.n_experts * b * capacity * cfg.d_model * itemsize
+    return 4 * cfg.n_layer * cfg.microbatches * buffer * (cfg.ep - 1) // cfg.ep
+
+
+class ExpertParallelUpdater(LocalUpdater):
+    """Sum the gradients over the ranks that hold the same parameter, then step: experts over edp,
+    everything else over dp (one all-reduce per parameter: small models, kept plain)."""
+
+    def __init__(self, model, optimizer, dp: Comm, groups: ExpertGroups):
+        super().__init__(model, optimizer)
+        self.dp, self.groups = dp, groups
+
+    def step(self) -> None:
+        with no_grad():
+            for name, param in self.model.named_parameters():
+                comm = self.groups.edp if ".experts." in name else self.dp
+                if param.grad is not None and comm.size > 1:
+                    param.grad = comm.all_reduce(param.grad)
+        super().step()
+
+
+class TensorParallelMoEGPT(MoEGPT, TensorParallelGPT):
+    """MoE with tensor parallelism: attention, embedding and head split over tp as in tensor_gpt.py,
+    the MoE layers (router and experts) replicated over tp. Each tp rank has the whole residual stream,
+    so each routes the same tokens the same way and computes the same expert gradients: no collective
+    of its own. The loss is tensor parallelism's (next in the MRO) plus the aux loss (MoEGPT)."""
+
+    def __init__(self, cfg: GPTConfig, moe: MoEConfig, comm: Comm, seed: int | None = 0,
+                 recompute: str = "none", layer=MoELayer):
+        TensorParallelGPT.__init__(self, cfg, comm, seed=None, recompute=recompute,
+                                   mlp=lambda: layer(cfg, moe))
+        self.start_routing_stats(moe)
+        if seed is not None:
+            self.init_parameters(seed)
+
+
+class ModelPart:
+    """The parameters of `model` that `wanted(name)` picks, seen as a model of their own: its units
+    are the model's units cut down to those parameters. ZeRO shards each part over its own group."""
+
+    def __init__(self, model, wanted):
+        self.model, self.wanted = model, wanted
+
+    def named_parameters(self):
+        return [(name, p) for name, p in self.model.named_parameters() if self.wanted(name)]
+
+    def units(self):
+        return [(name, UnitPart(unit, name, self.wanted)) for name, unit in self.model.units()]
+
+
+class UnitPart:
+    """The parameters of one unit that a ModelPart picks (only `parameters()`: what ZeRO-1 asks)."""
+
+    def __init__(self, unit, prefix: str, wanted):
+        self.chosen = [p for name, p in unit.named_parameters() if wanted(f"{prefix}.{name}")]
+
+    def parameters(self):
+        return self.chosen
+
+
+def is_expert(name: str) -> bool:
+    return ".experts." in name
+
+
+class ExpertParallelZero1(Updater):
+    """ZeRO-1 with experts: the experts' optimizer states sharded over edp (the ranks holding them),
+    the rest over dp; each part is a ZeroStage1 of its own."""
+
+    def __init__(self, model, optimizer_of, dp: Comm, groups: ExpertGroups):
+        self.model = model
+        self.parts = [ZeroStage1(ModelPart(model, lambda n: not is_expert(n)), optimizer_of([]), dp),
+                      ZeroStage1(ModelPart(model, is_expert), optimizer_of([]), groups.edp)]
+        self.optimizer = self.parts[0].optimizer
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def memory(self) -> dict:
+        held = [part.memory() for part in self.parts]
+        return {key: sum(h[key] for h in held) for key in held[0]}
+
+    def checkpoint_pieces(self) -> dict:
+        return {**self.parts[0].checkpoint_pieces(), **self.parts[1].checkpoint_pieces()}
+
+    def load_logical(self, state) -> None:
+        for part in self.parts:
+            part.load_logical(state)
+
+
+def config_errors(cfg) -> list[str]:
+    """`--ep`'s checks, one line each."""
+    if cfg.ep == 1:
+        return []
+    if cfg.ep < 1:
+        return [f"--ep must be at least 1 (got {cfg.ep})"]
+    if cfg.model != "moe":
+        return [f"--ep {cfg.ep} needs --model moe (experts to split)"]
+    errors = []
+    dp = cfg.dp if cfg.dp is not None else 1
+    if dp % cfg.ep:
+        errors.append(f"--ep {cfg.ep} does not divide dp={dp} (ep groups are blocks of ep dp ranks)")
+    if cfg.n_experts % cfg.ep:
+        errors.append(f"--n-experts {cfg.n_experts} is not divisible by --ep {cfg.ep}")
+    if cfg.zero > 1:
+        errors.append(f"--ep with --zero {cfg.zero} is not built yet (use --zero 0 or 1)")
+    return errors
