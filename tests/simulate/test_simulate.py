@@ -1,0 +1,79 @@
+"""The cost model of minipar/simulate/: each formula against one derived by hand, its memory against a
+real run's ledger, its pipeline against the bubble formula, and Megatron-LM's Table 1. Serial (1 rank)."""
+
+from fractions import Fraction
+
+import pytest
+from mpi4py import MPI
+
+from minipar.core.nn import GPT, GPTConfig
+from minipar.dist.comm import ring_bytes_sent, ring_messages
+from minipar.simulate import presets
+from minipar.simulate.machines import GPUS
+from minipar.simulate.model import ModelShape, hardware_flops, model_flops, parameter_count
+from minipar.simulate.step import Layout, activation_memory, model_state_memory, ring_seconds, simulate_step
+from minipar.trainer.config import TrainConfig
+from minipar.trainer.loop import train
+from minipar.trainer.simulate_command import simulate_main
+from minipar.trainer.tasks import ALPHABET
+
+GPT3 = ModelShape(96, 12288, 96, 2048, 51200)
+
+
+@pytest.mark.parametrize("shape", [GPT3, ModelShape(4, 64, 4, 32, 27), ModelShape(3, 10, 2, 7, 5)])
+def test_flops_are_the_papers_72_and_96_forms(shape):
+    B, s, L, h, V = 3, shape.seq_len, shape.n_layer, shape.d_model, shape.vocab
+    base = Fraction(B * s * L * h * h)
+    assert model_flops(shape, B) == 72 * base * (1 + Fraction(s, 6 * h) + Fraction(V, 12 * L * h))
+    assert hardware_flops(shape, B, "full") == 96 * base * (1 + Fraction(s, 6 * h) + Fraction(V, 16 * L * h))
+
+
+def test_parameter_count_is_the_real_models():
+    shape = ModelShape(3, 24, 4, 16, 11)
+    model = GPT(GPTConfig(vocab_size=11, block_size=16, n_layer=3, n_head=4, d_model=24), seed=None)
+    assert parameter_count(shape) == sum(p.data.size for p in model.parameters())
+
+
+@pytest.mark.parametrize("op,n", [("all_reduce", 4), ("reduce_scatter", 8), ("all_gather", 3)])
+def test_ring_time_is_comms_charge_over_the_bandwidth_plus_its_messages(op, n):
+    shard, bandwidth, latency = 1000, 1e9, 1e-6
+    charged = ring_bytes_sent(op, [shard] * n, 0)  # dist/comm.py's ring algorithm, another implementation
+    expected = ring_messages(op, n) * latency + charged / bandwidth
+    assert ring_seconds(op, shard * n, n, bandwidth, latency) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("stages,microbatches", [(4, 8), (2, 6)])
+def test_pipeline_bubble_is_the_1f1b_formula(stages, microbatches):
+    # with no communication the backward is exactly 2 forwards: 1F1B's bubble is (K-1)/(M+K-1)
+    shape = ModelShape(stages * 2, 64, 4, 32, 27)
+    layout = Layout(microbatches, microbatches=microbatches, pp=stages)
+    quiet = GPUS["a100-80gb"].__class__(**{**GPUS["a100-80gb"].__dict__, "intra_latency": 0.0,
+                                           "intra_bandwidth": float("inf")})
+    result = simulate_step(shape, layout, quiet)
+    assert result["bubble_fraction"] == pytest.approx((stages - 1) / (microbatches + stages - 1), rel=1e-12)
+
+
+@pytest.mark.parametrize("recompute,zero", [("none", 0), ("full", 1), ("selective", 0)])
+def test_memory_equals_the_ledger_of_a_real_run(recompute, zero):
+    cfg = TrainConfig(model="gpt", precision="fp64", steps=1, batch_size=4, microbatches=2, seq_len=16,
+                      n_layer=2, n_head=2, d_model=16, recompute=recompute, zero=zero, quiet=True)
+    measured = train(cfg, MPI.COMM_SELF)[-1]["mem"]
+    shape = ModelShape(2, 16, 2, 16, len(ALPHABET))
+    layout = Layout(4, microbatches=2, zero=zero, recompute=recompute, precision="fp64")
+    predicted = model_state_memory(shape, layout)
+    assert {k: measured[k] for k in predicted} == predicted
+    assert measured["activations_peak"] == activation_memory(shape, layout, inflight=1)
+
+
+def test_table1_first_row_is_the_calibration_and_the_rest_within_25_percent():
+    rows = presets.table1()
+    assert rows[0]["predicted"] == pytest.approx(rows[0]["published"], rel=1e-3)
+    assert len(rows) == 10 and all(abs(r["error"]) < 0.25 for r in rows)
+
+
+def test_bad_input_is_one_line_and_exit_code_2(capsys):
+    assert simulate_main(["--tp", "3"]) == 2
+    assert simulate_main(["--dp", "0"]) == 2
+    assert simulate_main(["--batch-size", "6", "--dp", "4"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("minipar simulate: error:") for line in lines)
