@@ -77,3 +77,16 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys):
     assert simulate_main(["--batch-size", "6", "--dp", "4"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("minipar simulate: error:") for line in lines)
+
+
+@pytest.mark.parametrize("zero,expected", [(0, (2, 2, 12)), (1, (2, 2, Fraction(12, 4))),
+                                           (2, (2, Fraction(2, 4), Fraction(12, 4))),
+                                           (3, (Fraction(2, 4), Fraction(2, 4), Fraction(12, 4)))])
+def test_model_states_are_the_zero_papers_partitions(zero, expected):
+    # ZeRO section 5 with dp N = 4 and tp x pp = 2 splitting the model first: bytes per parameter
+    # 2 + 2 + 12 whole, the optimizer's 12 over N from stage 1, the gradients' 2 from stage 2, all from 3
+    shape = ModelShape(4, 64, 4, 32, 27)
+    psi = Fraction(parameter_count(shape), 2)
+    memory = model_state_memory(shape, Layout(8, dp=4, tp=2, zero=zero, precision="bf16"))
+    assert (memory["params"], memory["grads"], memory["optimizer"]) == tuple(
+        int(psi * part) for part in expected)
