@@ -28,7 +28,8 @@ class ModelShape:
 
 def parameter_count(m: ModelShape) -> int:
     """minipar's GPT exactly: token and position embeddings, 12h² + 12h per block (q, k, v, two
-    projections and fc; every one with a bias but the key's, which softmax would cancel; two LayerNorms), ln_f, and an untied lm_head without bias."""
+    projections and fc, each with a bias but the key, whose bias softmax would cancel; two
+    LayerNorms), ln_f, and an untied lm_head without bias."""
     h = m.d_model
     embeddings = m.vocab * h + m.seq_len * h
     block = 12 * h * h + 12 * h

@@ -24,8 +24,14 @@ from fractions import Fraction
 from minipar.memory import activations, planner
 from minipar.parallel import schedules
 from minipar.simulate.machines import Machine
-from minipar.simulate.model import ModelShape, hardware_flops, layer_forward_flops, logit_forward_flops
-from minipar.simulate.model import model_flops, parameter_count
+from minipar.simulate.model import (
+    ModelShape,
+    hardware_flops,
+    layer_forward_flops,
+    logit_forward_flops,
+    model_flops,
+    parameter_count,
+)
 
 # bytes per parameter, gradient, optimizer state (K) and activation value. Mixed precision as the
 # ZeRO paper counts it: 2-byte weights and gradients, 12 bytes of fp32 master copy and Adam moments.

@@ -8,7 +8,6 @@ prints Narayanan et al.'s Table 1, published against predicted. Lesson: lessons/
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
 
