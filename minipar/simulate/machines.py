@@ -9,7 +9,7 @@ microseconds per message (NCCL on NVLink ~5 µs, on InfiniBand ~10 µs): rough, 
 small messages.
 
 `matmul_efficiency` is the one calibrated constant per GPU type: the share of peak the matmuls
-reach. A100: calibrated on the first row of Narayanan et al.'s Table 1 (1.7B parameters on 32
+reach. A100 (0.4762): calibrated on the first row of Narayanan et al.'s Table 1 (1.7B parameters on 32
 GPUs, no model parallelism, 137 TFLOP/s published), see presets.calibrate; every other row is a
 prediction. H100 has no published point here: the A100 value is reused (an assumption, said so).
 """
@@ -36,7 +36,7 @@ class Machine:
         return self.peak_flops * self.matmul_efficiency
 
 
-A100_EFFICIENCY = 0.4838  # presets.calibrate("megatron-1.7b") on a100-80gb, rounded to 4 digits
+A100_EFFICIENCY = 0.4762  # presets.calibrate("megatron-1.7b") on a100-80gb, rounded to 4 digits
 
 GPUS = {
     "a100-40gb": Machine("a100-40gb", 312e12, A100_EFFICIENCY, 40 * 10**9),

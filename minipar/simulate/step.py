@@ -154,9 +154,11 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     if lay.pp > 1:
         bandwidth, latency = links["pp"]
         p2p = lay.virtual_stages * (latency + s * b * h * value_bytes / bandwidth)
-    recompute_passes = 1 if lay.recompute == "full" else 0
+    # recomputation reruns in backward what model.hardware_flops counts beyond the model's FLOPs
+    recompute_s = (hardware_flops(m, b, lay.recompute) - model_flops(m, b)) / per_gpu / mach.achieved_flops
+    recompute_passes = 1 if lay.recompute == "full" else 0  # only a whole block's rerun all-reduces again
     forward_s = forward_compute + tp_pass + p2p
-    backward_s = (2 + recompute_passes) * forward_compute + (1 + recompute_passes) * tp_pass + p2p
+    backward_s = 2 * forward_compute + recompute_s + (1 + recompute_passes) * tp_pass + p2p
     pipeline_s, bubble, inflight = _pipeline(lay, forward_s, backward_s)
     grad_bytes = Fraction(parameter_count(m), per_gpu) * PRECISION_BYTES[lay.precision][1]
     dp_factor = 1.5 if lay.zero == 3 else 1.0  # ZeRO-3 gathers parameters again in backward
@@ -175,6 +177,6 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
         "memory": {**memory, "capacity": mach.memory_bytes, "fits": memory["total"] <= mach.memory_bytes},
         "comm_s": {"tp": lay.microbatches * (2 + recompute_passes) * tp_pass,
                    "pp": lay.microbatches * 2 * p2p, "dp": dp_s},
-        "compute_s": lay.microbatches * (3 + recompute_passes) * forward_compute,
+        "compute_s": lay.microbatches * (3 * forward_compute + recompute_s),
         "bubble_fraction": bubble,
     }
