@@ -17,6 +17,7 @@ memory/activations.py (one micro-batch's peak with pp = 1, exactly what the ledg
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -130,12 +131,20 @@ def _pipeline(lay: Layout, forward_s: float, backward_s: float) -> tuple[float, 
     """(seconds, bubble fraction, peak in-flight per stage) of the micro-batches through the stages."""
     if lay.pp == 1:
         return lay.microbatches * (forward_s + backward_s), 0.0, [1]
-    schedule = schedules.build_schedule(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
     ratio = Fraction(backward_s / forward_s).limit_denominator(8)
-    weight = ratio / 2 if lay.schedule == "zb-h1" else 1  # zb-h1: B and W share the backward equally
-    timeline = schedules.simulate(schedule, 1, ratio / 2 if lay.schedule == "zb-h1" else ratio, weight)
+    makespan, bubble, inflight = _timeline(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages, ratio)
+    return makespan * forward_s, bubble, list(inflight)
+
+
+@functools.lru_cache(maxsize=256)
+def _timeline(name: str, stages: int, microbatches: int, virtual_stages: int, ratio: Fraction):
+    """(makespan in forwards, bubble fraction, peak in-flight) of a schedule; a search asks often."""
+    schedule = schedules.build_schedule(name, stages, microbatches, virtual_stages)
+    backward = ratio / 2 if name == "zb-h1" else ratio  # zb-h1: B and W share the backward equally
+    weight = ratio / 2 if name == "zb-h1" else 1
+    timeline = schedules.simulate(schedule, 1, backward, weight)
     bubble = float(schedules.bubble_fraction(timeline))
-    return float(timeline.makespan) * forward_s, bubble, schedules.peak_inflight(schedule)
+    return float(timeline.makespan), bubble, tuple(schedules.peak_inflight(schedule))
 
 
 def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:

@@ -8,11 +8,12 @@ prints Narayanan et al.'s Table 1, published against predicted. Lesson: lessons/
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import replace
 
 from minipar.parallel import schedules
-from minipar.simulate import presets
+from minipar.simulate import presets, search
 from minipar.simulate.machines import GPUS, machine
 from minipar.simulate.model import ModelShape
 from minipar.simulate.step import PRECISION_BYTES, Layout, layout_errors, simulate_step
@@ -38,6 +39,9 @@ def _parser() -> OneLineParser:
     for link in ("intra", "inter"):
         parser.add_argument(f"--{link}-bandwidth", type=float, default=None, help="GB/s each way per GPU")
         parser.add_argument(f"--{link}-latency", type=float, default=None, help="microseconds per message")
+    parser.add_argument("--search", action="store_true",
+                        help="rank every layout on --gpus GPUs by predicted throughput")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs for --search")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
 
@@ -63,6 +67,29 @@ def _run_of(parser, args) -> tuple[ModelShape, Layout]:
     if errors:
         parser.error(errors[0])
     return shape, layout
+
+
+def _search_run_of(parser, args) -> tuple[ModelShape, Layout]:
+    """The model and the global batch a search keeps; the layout flags are what it varies."""
+    shape, layout = _run_of(parser, argparse.Namespace(**{**vars(args), **{k: None for k in LAYOUT_FLAGS
+                                                                           if k != "batch_size"}}))
+    return shape, layout
+
+
+def _print_search(found: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(found))
+        return
+    print(f"{found['fitting']} layouts fit; the best {len(found['ranked'])}:")
+    print(f"{'dp':>4}{'tp':>4}{'pp':>4}{'b':>3}{'zero':>5} {'recompute':<10}{'sp':<4}{'TFLOP/s':>8}{'MFU':>7}"
+          f"{'step s':>9}{'GB':>7}")
+    for r in found["ranked"]:
+        print(f"{r['dp']:>4}{r['tp']:>4}{r['pp']:>4}{r['microbatch_size']:>3}{r['zero']:>5} "
+              f"{r['recompute']:<10}"
+              f"{'yes' if r['sp'] else 'no':<4}{r['tflops_per_gpu']:>8.1f}{r['mfu']:>7.1%}{r['step_s']:>9.3g}"
+              f"{r['memory_gb']:>7.1f}")
+    for reason, count in found["refused"].items():
+        print(f"refused: {count} layouts ({reason})")
 
 
 def _machine(args):
@@ -110,9 +137,15 @@ def simulate_main(argv: list[str]) -> int:
         if args.table1:
             _print_table1(presets.table1(mach), args.json)
             return 0
-        shape, layout = _run_of(parser, args)
+        if args.search and args.gpus is None:
+            parser.error("--search needs --gpus N")
+        _positive(parser, args, ["gpus"])
+        shape, layout = _run_of(parser, args) if not args.search else _search_run_of(parser, args)
     except SystemExit as exit_request:
         return int(exit_request.code or 0)
+    if args.search:
+        _print_search(search.search(shape, args.gpus, layout.batch_size, mach, layout.precision), args.json)
+        return 0
     result = simulate_step(shape, layout, mach)
     if args.json:
         print(json.dumps(result))

@@ -90,3 +90,18 @@ def test_model_states_are_the_zero_papers_partitions(zero, expected):
     memory = model_state_memory(shape, Layout(8, dp=4, tp=2, zero=zero, precision="bf16"))
     assert (memory["params"], memory["grads"], memory["optimizer"]) == tuple(
         int(psi * part) for part in expected)
+
+
+def test_search_ranks_what_fits_and_says_why_the_rest_do_not():
+    from dataclasses import replace
+
+    from minipar.simulate.search import candidates, search
+    shape = ModelShape(4, 64, 4, 32, 27)
+    # 2 MB: the model states of ZeRO 0 on one GPU (4 x 205,568 params x 16 bytes / 4) do not fit
+    small = replace(GPUS["a100-80gb"], memory_bytes=2 * 10**6)
+    found = search(shape, 4, 16, small, top=1000)
+    considered = len(list(candidates(shape, 4, 16, small)))
+    assert found["fitting"] + sum(found["refused"].values()) == considered
+    assert found["refused"]["memory beyond the GPU's"] > 0
+    speeds = [row["tflops_per_gpu"] for row in found["ranked"]]
+    assert speeds == sorted(speeds, reverse=True) and all(row["memory_gb"] <= 2e-3 for row in found["ranked"])
