@@ -70,3 +70,29 @@ def table1(mach: Machine | None = None) -> list[dict]:
                      "bubble_fraction": result["bubble_fraction"],
                      "memory_gb": result["memory"]["total"] / 1e9})
     return rows
+
+
+# Narayanan et al. 2021, the comparison with ZeRO-3 (section 5.2), the 175B model (GPT-3's shape,
+# 174.6B parameters), batch 1536: (scheme, GPUs, tp, pp, micro-batch size, published TFLOP/s per GPU).
+# Quoted as remembered, like Table 1; ZeRO-3 "without model parallelism" runs dp = GPUs.
+ZERO3_COMPARISON = [
+    ("zero-3", 384, 1, 1, 4, 144), ("zero-3", 768, 1, 1, 2, 88), ("zero-3", 1536, 1, 1, 1, 44),
+    ("ptd-p", 384, 8, 12, 1, 153), ("ptd-p", 768, 8, 12, 1, 149), ("ptd-p", 1536, 8, 12, 1, 141),
+]
+
+
+def zero3_comparison(mach: Machine | None = None) -> list[dict]:
+    """ZeRO-3 against 3D parallelism on the 175B model: published against predicted TFLOP/s per GPU."""
+    mach = mach or GPUS["a100-80gb"]
+    shape, batch = ModelShape(96, 12288, 96, SEQ, VOCAB), 1536
+    rows = []
+    for scheme, gpus, tp, pp, b, published in ZERO3_COMPARISON:
+        dp = gpus // (tp * pp)
+        layout = Layout(batch, microbatches=batch // (dp * b), dp=dp, tp=tp, pp=pp,
+                        zero=3 if scheme == "zero-3" else 0, recompute="full")
+        result = simulate_step(shape, layout, mach)
+        rows.append({"scheme": scheme, "gpus": gpus, "tp": tp, "pp": pp, "dp": dp, "microbatch_size": b,
+                     "published": published, "predicted": result["tflops_per_gpu"],
+                     "error": result["tflops_per_gpu"] / published - 1, "comm_dp_s": result["comm_s"]["dp"],
+                     "step_s": result["step_s"], "memory_gb": result["memory"]["total"] / 1e9})
+    return rows

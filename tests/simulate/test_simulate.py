@@ -105,3 +105,13 @@ def test_search_ranks_what_fits_and_says_why_the_rest_do_not():
     assert found["refused"]["memory beyond the GPU's"] > 0
     speeds = [row["tflops_per_gpu"] for row in found["ranked"]]
     assert speeds == sorted(speeds, reverse=True) and all(row["memory_gb"] <= 2e-3 for row in found["ranked"])
+
+
+def test_zero3_falls_behind_3d_parallelism_as_the_paper_found():
+    # ZeRO-3 gathers the 175B parameters over InfiniBand every step, whatever the GPU count: its time
+    # per GPU does not shrink, so TFLOP/s per GPU fall as GPUs double; 3D parallelism keeps them
+    rows = presets.zero3_comparison()
+    zero3 = [r["predicted"] for r in rows if r["scheme"] == "zero-3"]
+    ptdp = [r["predicted"] for r in rows if r["scheme"] == "ptd-p"]
+    assert zero3 == sorted(zero3, reverse=True) and zero3[-1] < zero3[0] / 1.9
+    assert all(p > z for p, z in zip(ptdp, zero3))
