@@ -30,6 +30,7 @@ class Machine:
     inter_bandwidth: float = 25e9    # bytes/s each way per GPU between nodes (InfiniBand)
     intra_latency: float = 5e-6      # seconds per message
     inter_latency: float = 10e-6
+    cores: int | None = None         # a CPU: ranks beyond its cores time-share them (None: a GPU each)
 
     @property
     def achieved_flops(self) -> float:

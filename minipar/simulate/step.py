@@ -10,6 +10,7 @@ overlapped with compute (they sit on the critical path, as in Megatron-LM 2021);
 gradient reduction runs after the pipeline drains, not overlapped; the optimizer step is free.
 The pipeline: parallel/schedules.py's simulate() with a forward of 1 and a backward of B/F time
 units (B/F rounded to eighths), its makespan scaled by the forward's seconds.
+On a CPU (`Machine.cores`), R ranks on C < R cores compute at C/R of their speed each.
 Memory: model states by the ZeRO planner's rule (memory/planner.py), activations by
 memory/activations.py (one micro-batch's peak with pp = 1, exactly what the ledger measures; with pp >
 1, the first stage's in-flight micro-batches times its blocks).
@@ -154,7 +155,9 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     links = _links(lay, mach)
     per_gpu = lay.tp * lay.pp
     forward_compute = (m.n_layer * layer_forward_flops(m, b) + logit_forward_flops(m, b)) / per_gpu
-    forward_compute /= mach.achieved_flops
+    # more ranks than cores: each rank computes at cores/ranks of its speed (the OS time-shares them)
+    time_shared = max(1.0, lay.gpus / mach.cores) if mach.cores else 1.0
+    forward_compute *= time_shared / mach.achieved_flops
     layers_here = m.n_layer // lay.pp
     # two all-reduces of the s·b·h activations per block and pass (Megatron's f and g); with --sp a
     # reduce-scatter and an all-gather each instead, the same bytes
@@ -165,6 +168,7 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
         p2p = lay.virtual_stages * (latency + s * b * h * value_bytes / bandwidth)
     # recomputation reruns in backward what model.hardware_flops counts beyond the model's FLOPs
     recompute_s = (hardware_flops(m, b, lay.recompute) - model_flops(m, b)) / per_gpu / mach.achieved_flops
+    recompute_s *= time_shared
     recompute_passes = 1 if lay.recompute == "full" else 0  # only a whole block's rerun all-reduces again
     forward_s = forward_compute + tp_pass + p2p
     backward_s = 2 * forward_compute + recompute_s + (1 + recompute_passes) * tp_pass + p2p
