@@ -1,9 +1,9 @@
 """`python -m minipar bench simulate`: the cost model of `minipar simulate` on this machine, against
 measured `minipar train` steps (lesson 14, lessons/14_simulate.md).
 
-Calibration, two measurements: the achieved FLOP/s of a whole training step on one rank (the model's
-hardware FLOPs over its measured median step time; Python's overhead is folded in, so this is one
-constant, like a GPU's matmul efficiency), and the alpha-beta of an MPI all-reduce on 2 ranks (the
+Calibration: the achieved FLOP/s and a fixed cost per block and pass (Python's, whatever the
+matrices' size: splitting the work over tp or dp ranks does not divide it) from one rank's median
+step at two batch sizes (16 and 4), and the alpha-beta of an MPI all-reduce on 2 ranks (the
 median time of an 8-byte and a 1 MiB all-reduce). Then each layout runs for real (`--steps 6`, the
 median step after the first) and is predicted with a machine of os.cpu_count() cores: ranks beyond
 the cores time-share them. Options: --steps N (default 6).
@@ -58,16 +58,21 @@ def step_seconds(ranks: int, flags: list[str], steps: int) -> float:
 
 
 def local_machine(steps: int) -> Machine:
-    one_rank = step_seconds(1, [], steps)
-    achieved = hardware_flops(MODEL, BATCH) / one_rank
+    # one rank at two batch sizes: step = 3 (FLOPs / rate + L x overhead), two equations, two unknowns
+    full, quarter = step_seconds(1, [], steps), step_seconds(1, ["--batch-size", str(BATCH // 4)], steps)
+    flops_full, flops_quarter = hardware_flops(MODEL, BATCH), hardware_flops(MODEL, BATCH // 4)
+    achieved = (flops_full - flops_quarter) / max(full - quarter, 1e-9)
+    overhead = max(0.0, (full / 3 - flops_full / 3 / achieved) / MODEL.n_layer)
+    one_rank = full
     probe = json.loads(run_mpi(2, ["-c", ALLREDUCE_PROBE]))
     latency = probe["small_s"] / 2  # 2(N-1) = 2 messages on 2 ranks
     bandwidth = probe["big_bytes"] / max(probe["big_s"] - probe["small_s"], 1e-9)  # 2(N-1)/N·S = S bytes
-    print(f"calibration: 1 rank {one_rank * 1e3:.1f} ms/step = {achieved / 1e9:.2f} GFLOP/s achieved; "
+    print(f"calibration: 1 rank {one_rank * 1e3:.1f} ms/step (batch {BATCH}), {quarter * 1e3:.1f} ms "
+          f"(batch {BATCH // 4}): {achieved / 1e9:.2f} GFLOP/s, {overhead * 1e3:.2f} ms per block and pass; "
           f"MPI all-reduce latency {latency * 1e6:.0f} us/message, {bandwidth / 1e9:.2f} GB/s; "
           f"{os.cpu_count()} cores")
     return Machine("local-cpu", achieved, 1.0, 10**12, gpus_per_node=64, intra_bandwidth=bandwidth,
-                   intra_latency=latency, cores=os.cpu_count())
+                   intra_latency=latency, cores=os.cpu_count(), block_overhead=overhead)
 
 
 def main(argv) -> int:

@@ -31,6 +31,7 @@ class Machine:
     intra_latency: float = 5e-6      # seconds per message
     inter_latency: float = 10e-6
     cores: int | None = None         # a CPU: ranks beyond its cores time-share them (None: a GPU each)
+    block_overhead: float = 0.0      # seconds per block and forward whatever its size (a CPU's Python)
 
     @property
     def achieved_flops(self) -> float:

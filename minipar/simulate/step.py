@@ -157,7 +157,9 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     forward_compute = (m.n_layer * layer_forward_flops(m, b) + logit_forward_flops(m, b)) / per_gpu
     # more ranks than cores: each rank computes at cores/ranks of its speed (the OS time-shares them)
     time_shared = max(1.0, lay.gpus / mach.cores) if mach.cores else 1.0
-    forward_compute *= time_shared / mach.achieved_flops
+    # a fixed cost per block and pass that splitting the matmuls does not divide (0 on a GPU preset)
+    forward_compute = (forward_compute / mach.achieved_flops + m.n_layer // lay.pp * mach.block_overhead)
+    forward_compute *= time_shared
     layers_here = m.n_layer // lay.pp
     # two all-reduces of the s·b·h activations per block and pass (Megatron's f and g); with --sp a
     # reduce-scatter and an all-gather each instead, the same bytes
