@@ -104,7 +104,10 @@ def _links(lay: Layout, mach: Machine) -> dict[str, tuple[float, float]]:
 
 def model_state_memory(m: ModelShape, lay: Layout) -> dict[str, int]:
     """Parameters, gradients and optimizer states one GPU holds: each part split over tp x pp, and
-    over dp where the ZeRO stage partitions it (memory/planner.py's rule)."""
+    over dp where the ZeRO stage partitions it (memory/planner.py's rule). Exact for dp and ZeRO; with
+    tp it splits the few replicated parameters too (LayerNorms, some biases, the position embedding:
+    a tp-2 rank of the tests' 2-block model holds 256 values more than this), and with pp it splits the
+    embeddings evenly where they sit on the first and last stages."""
     p, g, k, _ = PRECISION_BYTES[lay.precision]
     share = Fraction(parameter_count(m), lay.tp * lay.pp)
     dp = lay.dp
