@@ -115,3 +115,16 @@ def test_zero3_falls_behind_3d_parallelism_as_the_paper_found():
     ptdp = [r["predicted"] for r in rows if r["scheme"] == "ptd-p"]
     assert zero3 == sorted(zero3, reverse=True) and zero3[-1] < zero3[0] / 1.9
     assert all(p > z for p, z in zip(ptdp, zero3))
+
+
+def test_json_has_the_keys_the_design_names(capsys):
+    import json
+    assert simulate_main(["--preset", "gpt3-175b", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"step_s", "tflops_per_gpu", "mfu", "memory", "comm_s", "bubble_fraction"} <= set(report)
+    assert set(report["comm_s"]) == {"tp", "pp", "dp"} and report["memory"]["fits"] is True
+    assert report["memory"]["total"] == sum(report["memory"][k] for k in ("params", "grads", "optimizer",
+                                                                          "activations"))
+    # MFU counts the 72 form, TFLOP/s the 96 form of full recomputation: their ratio is the FLOPs'
+    assert report["tflops_per_gpu"] * 1e12 / (report["mfu"] * 312e12) == pytest.approx(
+        hardware_flops(GPT3, 1536, "full") / model_flops(GPT3, 1536), rel=1e-12)
