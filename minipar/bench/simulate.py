@@ -6,7 +6,9 @@ matrices' size: splitting the work over tp or dp ranks does not divide it) from 
 step at two batch sizes (16 and 4), and the alpha-beta of an MPI all-reduce on 2 ranks (the
 median time of an 8-byte and a 1 MiB all-reduce). Then each layout runs for real (`--steps 6`, the
 median step after the first) and is predicted with a machine of os.cpu_count() cores: ranks beyond
-the cores time-share them. Options: --steps N (default 6).
+the cores time-share them. Options: --steps N (default 6). `--plot FILE` instead draws Narayanan et
+al.'s Table 1 and their ZeRO-3 comparison, published against predicted (needs matplotlib, the `viz`
+extra): lessons/14_simulate.png.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from minipar.bench.timing import median, run_mpi, run_train
+from minipar.simulate import presets
 from minipar.simulate.machines import Machine
 from minipar.simulate.model import ModelShape, hardware_flops
 from minipar.simulate.step import Layout, simulate_step
@@ -75,7 +78,41 @@ def local_machine(steps: int) -> Machine:
                    intra_latency=latency, cores=os.cpu_count(), block_overhead=overhead)
 
 
+def save_plot(path: str) -> str:
+    """Two panels: Table 1's TFLOP/s per GPU by model size, and ZeRO-3 against 3D by GPU count."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"(no plot: matplotlib is not installed; pip install matplotlib, then --plot {path})"
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows = presets.table1()
+    sizes = [r["params_b"] for r in rows]
+    left.plot(sizes, [r["published"] for r in rows], "o-", label="published (Narayanan et al. 2021)")
+    left.plot(sizes, [r["predicted"] for r in rows], "s--", label="minipar simulate")
+    left.set(xscale="log", xlabel="parameters (billions)", ylabel="TFLOP/s per A100",
+             title="Table 1: weak scaling, 32 to 3072 GPUs", ylim=(0, 180))
+    for scheme, marker in (("zero-3", "o"), ("ptd-p", "s")):
+        mine = [r for r in presets.zero3_comparison() if r["scheme"] == scheme]
+        gpus = [r["gpus"] for r in mine]
+        right.plot(gpus, [r["published"] for r in mine], marker + "-", label=f"{scheme} published")
+        right.plot(gpus, [r["predicted"] for r in mine], marker + "--", label=f"{scheme} predicted")
+    right.set(xscale="log", xlabel="GPUs", ylabel="TFLOP/s per A100", title="175B: ZeRO-3 against 3D",
+              ylim=(0, 180))
+    for ax in (left, right):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    return f"plot: {path}"
+
+
 def main(argv) -> int:
+    if "--plot" in argv:
+        print(save_plot(argv[argv.index("--plot") + 1]))
+        return 0
     steps = int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 6
     machine = local_machine(steps)
     print("default GPT (4 layers, d_model 64, seq 32, batch 16, fp32); median step after the first")
