@@ -5,7 +5,8 @@ GPT models from 1.7B to 1T parameters on up to 3072 A100-80GB GPUs of Selene (8 
 inside, 8 x 200 Gb/s HDR InfiniBand per node), sequence 2048, vocabulary 51200, mixed precision,
 full activation recomputation; achieved TFLOP/s per GPU counted with the 96 form. The figures below
 are quoted from the paper as the author of this file remembers it (no copy was at hand to check
-them digit by digit; the configuration columns were checked against Megatron-LM's README).
+them digit by digit; only the sequence length and vocabulary were checked, against Megatron-LM's
+README, which quotes the same table).
 
 The paper gives no micro-batch size or schedule per row. Modelling choice, the same for every row:
 micro-batch size 1, the 1F1B schedule, full recomputation, ZeRO 0, no sequence parallelism.
