@@ -1,4 +1,4 @@
-"""`python -m minipar train | plan | schedule | bench` (also the console script `minipar`).
+"""`python -m minipar train | plan | schedule | simulate | bench` (also the console script `minipar`).
 
 The command line's front door, above every layer (bench included): it only dispatches. Bad input ends
 every rank with one line naming the problem and exit code 2, before any collective: every rank parses
@@ -17,6 +17,7 @@ COMMANDS = {
     "train": commands.train_main,
     "plan": commands.plan_main,
     "schedule": commands.schedule_main,
+    "simulate": commands.simulate_main,
     "bench": registry.main,
 }
 

@@ -20,6 +20,7 @@ from minipar.memory import planner
 from minipar.memory.tracer import BudgetTooSmall
 from minipar.parallel import schedules
 from minipar.trainer.arguments import OneLineParser, fail, parse_train_args
+from minipar.trainer.simulate_command import simulate_main  # noqa: F401  (minipar simulate)
 from minipar.trainer.validate import validate
 
 # ---- minipar train ----------------------------------------------------------------------------------

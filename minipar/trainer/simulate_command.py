@@ -1,0 +1,154 @@
+"""`minipar simulate`: predicted step time, throughput and memory per GPU of a run at any scale.
+
+The cost model is minipar/simulate/ (this file parses the options, checks them in one line with exit
+code 2, and prints a table or JSON). `--preset NAME` takes a published run's model and layout
+(minipar/simulate/presets.py); any model or layout flag given as well overrides it. `--table1`
+prints Narayanan et al.'s Table 1, published against predicted. Lesson: lessons/14_simulate.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from minipar.parallel import schedules
+from minipar.simulate import presets, search
+from minipar.simulate.machines import GPUS, machine
+from minipar.simulate.model import ModelShape
+from minipar.simulate.step import PRECISION_BYTES, Layout, layout_errors, simulate_step
+from minipar.trainer.arguments import OneLineParser
+
+MODEL_FLAGS = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32, "vocab": 27}
+LAYOUT_FLAGS = {"batch_size": 16, "microbatches": 1, "dp": 1, "tp": 1, "pp": 1, "virtual_stages": 1}
+
+
+def _parser() -> OneLineParser:
+    parser = OneLineParser(prog="minipar simulate", description="Predict a training step at any scale.")
+    parser.add_argument("--preset", choices=sorted(presets.MEGATRON_TABLE1) + sorted(presets.PRESETS))
+    parser.add_argument("--table1", action="store_true", help="Narayanan et al. 2021 Table 1, every row")
+    for name in list(MODEL_FLAGS) + list(LAYOUT_FLAGS):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    parser.add_argument("--schedule", choices=list(schedules.SCHEDULES), default=None)
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None)
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
+    parser.add_argument("--sp", action="store_true", default=None)
+    parser.add_argument("--precision", choices=list(PRECISION_BYTES), default=None)
+    parser.add_argument("--gpu", choices=list(GPUS), default="a100-80gb")
+    parser.add_argument("--gpus-per-node", type=int, default=None)
+    for link in ("intra", "inter"):
+        parser.add_argument(f"--{link}-bandwidth", type=float, default=None, help="GB/s each way per GPU")
+        parser.add_argument(f"--{link}-latency", type=float, default=None, help="microseconds per message")
+    parser.add_argument("--search", action="store_true",
+                        help="rank every layout on --gpus GPUs by predicted throughput")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs for --search")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return parser
+
+
+def _positive(parser, args, names) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def _run_of(parser, args) -> tuple[ModelShape, Layout]:
+    """The model and layout: the preset's (or the defaults), overridden by every flag given."""
+    if args.preset:
+        shape, layout, _ = presets.preset(args.preset)
+    else:
+        shape, layout = ModelShape(**MODEL_FLAGS), Layout(LAYOUT_FLAGS["batch_size"], precision="fp32")
+    shape = replace(shape, **{k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
+    given = {k: getattr(args, k) for k in list(LAYOUT_FLAGS) + ["schedule", "zero", "recompute", "sp",
+                                                                 "precision"] if getattr(args, k) is not None}
+    layout = replace(layout, **given)
+    errors = layout_errors(shape, layout)
+    if errors:
+        parser.error(errors[0])
+    return shape, layout
+
+
+def _search_run_of(parser, args) -> tuple[ModelShape, Layout]:
+    """The model and the global batch a search keeps; the layout flags are what it varies."""
+    shape, layout = _run_of(parser, argparse.Namespace(**{**vars(args), **{k: None for k in LAYOUT_FLAGS
+                                                                           if k != "batch_size"}}))
+    return shape, layout
+
+
+def _print_search(found: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(found))
+        return
+    print(f"{found['fitting']} layouts fit; the best {len(found['ranked'])}:")
+    print(f"{'dp':>4}{'tp':>4}{'pp':>4}{'b':>3}{'zero':>5} {'recompute':<10}{'sp':<4}{'TFLOP/s':>8}{'MFU':>7}"
+          f"{'step s':>9}{'GB':>7}")
+    for r in found["ranked"]:
+        print(f"{r['dp']:>4}{r['tp']:>4}{r['pp']:>4}{r['microbatch_size']:>3}{r['zero']:>5} "
+              f"{r['recompute']:<10}"
+              f"{'yes' if r['sp'] else 'no':<4}{r['tflops_per_gpu']:>8.1f}{r['mfu']:>7.1%}{r['step_s']:>9.3g}"
+              f"{r['memory_gb']:>7.1f}")
+    for reason, count in found["refused"].items():
+        print(f"refused: {count} layouts ({reason})")
+
+
+def _machine(args):
+    gb, us = 1e9, 1e-6
+    return machine(args.gpu, gpus_per_node=args.gpus_per_node,
+                   intra_bandwidth=args.intra_bandwidth and args.intra_bandwidth * gb,
+                   inter_bandwidth=args.inter_bandwidth and args.inter_bandwidth * gb,
+                   intra_latency=args.intra_latency and args.intra_latency * us,
+                   inter_latency=args.inter_latency and args.inter_latency * us)
+
+
+def _print_table1(rows, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rows))
+        return
+    print(f"{'run':<15}{'GPUs':>6}{'tp':>4}{'pp':>4}{'dp':>4}{'published':>11}{'predicted':>11}{'error':>8}"
+          f"{'bubble':>8}")
+    for r in rows:
+        print(f"{r['name']:<15}{r['gpus']:>6}{r['tp']:>4}{r['pp']:>4}{r['dp']:>4}{r['published']:>11}"
+              f"{r['predicted']:>11.1f}{r['error']:>+8.1%}{r['bubble_fraction']:>8.3f}")
+
+
+def _print_result(shape, layout, result) -> None:
+    print(f"model: {result['parameters'] / 1e9:.3g}B parameters (L={shape.n_layer}, h={shape.d_model}, "
+          f"a={shape.n_head}, s={shape.seq_len}, V={shape.vocab}) on {result['gpus']} GPUs "
+          f"(dp {layout.dp} x tp {layout.tp} x pp {layout.pp})")
+    print(f"step: {result['step_s']:.4g} s, {result['tflops_per_gpu']:.1f} TFLOP/s per GPU, "
+          f"MFU {result['mfu']:.1%}, bubble {result['bubble_fraction']:.3f}")
+    comm = ", ".join(f"{dim} {seconds:.3g} s" for dim, seconds in result["comm_s"].items())
+    print(f"compute {result['compute_s']:.4g} s; communication: {comm}")
+    mem = result["memory"]
+    parts = ", ".join(f"{k} {mem[k] / 2**30:.2f}" for k in ("params", "grads", "optimizer", "activations"))
+    verdict = "fits" if mem["fits"] else "does NOT fit"
+    print(f"memory per GPU (GiB): {parts}; total {mem['total'] / 2**30:.2f} of "
+          f"{mem['capacity'] / 2**30:.1f}: {verdict}")
+
+
+def simulate_main(argv: list[str]) -> int:
+    """The `minipar simulate` command."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        _positive(parser, args, list(MODEL_FLAGS) + list(LAYOUT_FLAGS) + ["gpus_per_node"])
+        mach = _machine(args)
+        if args.table1:
+            _print_table1(presets.table1(mach), args.json)
+            return 0
+        if args.search and args.gpus is None:
+            parser.error("--search needs --gpus N")
+        _positive(parser, args, ["gpus"])
+        shape, layout = _run_of(parser, args) if not args.search else _search_run_of(parser, args)
+    except SystemExit as exit_request:
+        return int(exit_request.code or 0)
+    if args.search:
+        _print_search(search.search(shape, args.gpus, layout.batch_size, mach, layout.precision), args.json)
+        return 0
+    result = simulate_step(shape, layout, mach)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_result(shape, layout, result)
+    return 0

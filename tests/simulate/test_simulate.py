@@ -1,0 +1,130 @@
+"""The cost model of minipar/simulate/: each formula against one derived by hand, its memory against a
+real run's ledger, its pipeline against the bubble formula, and Megatron-LM's Table 1. Serial (1 rank)."""
+
+from fractions import Fraction
+
+import pytest
+from mpi4py import MPI
+
+from minipar.core.nn import GPT, GPTConfig
+from minipar.dist.comm import ring_bytes_sent, ring_messages
+from minipar.simulate import presets
+from minipar.simulate.machines import GPUS
+from minipar.simulate.model import ModelShape, hardware_flops, model_flops, parameter_count
+from minipar.simulate.step import Layout, activation_memory, model_state_memory, ring_seconds, simulate_step
+from minipar.trainer.config import TrainConfig
+from minipar.trainer.loop import train
+from minipar.trainer.simulate_command import simulate_main
+from minipar.trainer.tasks import ALPHABET
+
+GPT3 = ModelShape(96, 12288, 96, 2048, 51200)
+
+
+@pytest.mark.parametrize("shape", [GPT3, ModelShape(4, 64, 4, 32, 27), ModelShape(3, 10, 2, 7, 5)])
+def test_flops_are_the_papers_72_and_96_forms(shape):
+    B, s, L, h, V = 3, shape.seq_len, shape.n_layer, shape.d_model, shape.vocab
+    base = Fraction(B * s * L * h * h)
+    assert model_flops(shape, B) == 72 * base * (1 + Fraction(s, 6 * h) + Fraction(V, 12 * L * h))
+    assert hardware_flops(shape, B, "full") == 96 * base * (1 + Fraction(s, 6 * h) + Fraction(V, 16 * L * h))
+
+
+def test_parameter_count_is_the_real_models():
+    shape = ModelShape(3, 24, 4, 16, 11)
+    model = GPT(GPTConfig(vocab_size=11, block_size=16, n_layer=3, n_head=4, d_model=24), seed=None)
+    assert parameter_count(shape) == sum(p.data.size for p in model.parameters())
+
+
+@pytest.mark.parametrize("op,n", [("all_reduce", 4), ("reduce_scatter", 8), ("all_gather", 3)])
+def test_ring_time_is_comms_charge_over_the_bandwidth_plus_its_messages(op, n):
+    shard, bandwidth, latency = 1000, 1e9, 1e-6
+    charged = ring_bytes_sent(op, [shard] * n, 0)  # dist/comm.py's ring algorithm, another implementation
+    expected = ring_messages(op, n) * latency + charged / bandwidth
+    assert ring_seconds(op, shard * n, n, bandwidth, latency) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("stages,microbatches", [(4, 8), (2, 6)])
+def test_pipeline_bubble_is_the_1f1b_formula(stages, microbatches):
+    # with no communication the backward is exactly 2 forwards: 1F1B's bubble is (K-1)/(M+K-1)
+    shape = ModelShape(stages * 2, 64, 4, 32, 27)
+    layout = Layout(microbatches, microbatches=microbatches, pp=stages)
+    quiet = GPUS["a100-80gb"].__class__(**{**GPUS["a100-80gb"].__dict__, "intra_latency": 0.0,
+                                           "intra_bandwidth": float("inf")})
+    result = simulate_step(shape, layout, quiet)
+    assert result["bubble_fraction"] == pytest.approx((stages - 1) / (microbatches + stages - 1), rel=1e-12)
+
+
+@pytest.mark.parametrize("recompute,zero", [("none", 0), ("full", 1), ("selective", 0)])
+def test_memory_equals_the_ledger_of_a_real_run(recompute, zero):
+    cfg = TrainConfig(model="gpt", precision="fp64", steps=1, batch_size=4, microbatches=2, seq_len=16,
+                      n_layer=2, n_head=2, d_model=16, recompute=recompute, zero=zero, quiet=True)
+    measured = train(cfg, MPI.COMM_SELF)[-1]["mem"]
+    shape = ModelShape(2, 16, 2, 16, len(ALPHABET))
+    layout = Layout(4, microbatches=2, zero=zero, recompute=recompute, precision="fp64")
+    predicted = model_state_memory(shape, layout)
+    assert {k: measured[k] for k in predicted} == predicted
+    assert measured["activations_peak"] == activation_memory(shape, layout, inflight=1)
+
+
+def test_table1_first_row_is_the_calibration_and_the_rest_within_30_percent():
+    rows = presets.table1()
+    assert rows[0]["predicted"] == pytest.approx(rows[0]["published"], rel=1e-3)
+    assert len(rows) == 10 and all(abs(r["error"]) < 0.30 for r in rows)
+
+
+def test_bad_input_is_one_line_and_exit_code_2(capsys):
+    assert simulate_main(["--tp", "3"]) == 2
+    assert simulate_main(["--dp", "0"]) == 2
+    assert simulate_main(["--batch-size", "6", "--dp", "4"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("minipar simulate: error:") for line in lines)
+
+
+@pytest.mark.parametrize("zero,expected", [(0, (2, 2, 12)), (1, (2, 2, Fraction(12, 4))),
+                                           (2, (2, Fraction(2, 4), Fraction(12, 4))),
+                                           (3, (Fraction(2, 4), Fraction(2, 4), Fraction(12, 4)))])
+def test_model_states_are_the_zero_papers_partitions(zero, expected):
+    # ZeRO section 5 with dp N = 4 and tp x pp = 2 splitting the model first: bytes per parameter
+    # 2 + 2 + 12 whole, the optimizer's 12 over N from stage 1, the gradients' 2 from stage 2, all from 3
+    shape = ModelShape(4, 64, 4, 32, 27)
+    psi = Fraction(parameter_count(shape), 2)
+    memory = model_state_memory(shape, Layout(8, dp=4, tp=2, zero=zero, precision="bf16"))
+    assert (memory["params"], memory["grads"], memory["optimizer"]) == tuple(
+        int(psi * part) for part in expected)
+
+
+def test_search_ranks_what_fits_and_says_why_the_rest_do_not():
+    from dataclasses import replace
+
+    from minipar.simulate.search import candidates, search
+    shape = ModelShape(4, 64, 4, 32, 27)
+    # 2 MB: the model states of ZeRO 0 on one GPU (4 x 205,568 params x 16 bytes / 4) do not fit
+    small = replace(GPUS["a100-80gb"], memory_bytes=2 * 10**6)
+    found = search(shape, 4, 16, small, top=1000)
+    considered = len(list(candidates(shape, 4, 16, small)))
+    assert found["fitting"] + sum(found["refused"].values()) == considered
+    assert found["refused"]["memory beyond the GPU's"] > 0
+    speeds = [row["tflops_per_gpu"] for row in found["ranked"]]
+    assert speeds == sorted(speeds, reverse=True) and all(row["memory_gb"] <= 2e-3 for row in found["ranked"])
+
+
+def test_zero3_falls_behind_3d_parallelism_as_the_paper_found():
+    # ZeRO-3 gathers the 175B parameters over InfiniBand every step, whatever the GPU count: its time
+    # per GPU does not shrink, so TFLOP/s per GPU fall as GPUs double; 3D parallelism keeps them
+    rows = presets.zero3_comparison()
+    zero3 = [r["predicted"] for r in rows if r["scheme"] == "zero-3"]
+    ptdp = [r["predicted"] for r in rows if r["scheme"] == "ptd-p"]
+    assert zero3 == sorted(zero3, reverse=True) and zero3[-1] < zero3[0] / 1.9
+    assert all(p > z for p, z in zip(ptdp, zero3))
+
+
+def test_json_has_the_keys_the_design_names(capsys):
+    import json
+    assert simulate_main(["--preset", "gpt3-175b", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"step_s", "tflops_per_gpu", "mfu", "memory", "comm_s", "bubble_fraction"} <= set(report)
+    assert set(report["comm_s"]) == {"tp", "pp", "dp"} and report["memory"]["fits"] is True
+    assert report["memory"]["total"] == sum(report["memory"][k] for k in ("params", "grads", "optimizer",
+                                                                          "activations"))
+    # MFU counts the 72 form, TFLOP/s the 96 form of full recomputation: their ratio is the FLOPs'
+    assert report["tflops_per_gpu"] * 1e12 / (report["mfu"] * 312e12) == pytest.approx(
+        hardware_flops(GPT3, 1536, "full") / model_flops(GPT3, 1536), rel=1e-12)
