@@ -20,7 +20,8 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, 
         exp_avg = beta1 * exp_avg + (1 - beta1) * grad
         exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
         param -= (lr / bias_correction1) * exp_avg / (sqrt(exp_avg_sq) / sqrt(bias_correction2) + eps)
-    written here on three new arrays (the plain form makes eight), the same operations in the same order (the same bits)."""
+    written here on three new arrays (the plain form makes eight): the same operations in the same
+    order, so the same bits (tests/core/test_speed_forms.py)."""
     xp = xp_of(param)
     param *= 1 - lr * weight_decay
     scratch = xp.multiply(grad, 1 - beta1)
