@@ -25,6 +25,7 @@ import sys
 import numpy as np
 
 from minipar.bench import torch_gpt
+from minipar.bench.profile import MODELS
 from minipar.bench.timing import median_seconds, round_times
 from minipar.core import functional as F
 from minipar.core import nn, optim
@@ -88,7 +89,7 @@ def autograd_figures(batch: int, width: int, layers: int, repeats: int) -> dict:
     return figures
 
 
-TORCH_MODELS = {"default": nn.GPTConfig(), "wide": nn.GPTConfig(block_size=64, d_model=256)}
+TORCH_MODELS = MODELS  # the default and the wide GPT, as bench profile has them
 
 
 def torch_figures(repeats: int, batch: int = 16) -> dict:

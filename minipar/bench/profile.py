@@ -1,5 +1,6 @@
 """`python -m minipar bench profile`: where one process's training step spends its time, by phase
-and by operation, for the default GPT (AdamW, a memory ledger listening, as `minipar train` runs it).
+and by operation, for the default GPT or a wide one (AdamW, a memory ledger listening, as
+`minipar train` runs it).
 
 Phases, timed plainly (medians of --repeats steps, no profiler): forward (model and loss), backward,
 optimizer (zero_grad and AdamW's step) and communication (none on one process: its row says 0 so
@@ -10,7 +11,8 @@ graph, Tensors, the activation meter and the ledger listening to it. The profile
 every Python call, so bookkeeping's share reads high there; the phase times are the true ones.
 Lesson: lessons/01_autograd.md.
 
-    python -m minipar bench profile [--dtype float64|float32] [--batch 16] [--repeats 10] [--top 12] [--json]
+    python -m minipar bench profile [--model default|wide] [--dtype float64|float32] [--batch 16]
+                                    [--repeats 10] [--top 12] [--json]
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ from minipar.memory.ledger import MemoryLedger
 from minipar.trainer.tasks import AdditionTask
 
 PHASES = ("forward", "backward", "optimizer", "communication")
+MODELS = {"default": nn.GPTConfig(), "wide": nn.GPTConfig(block_size=64, d_model=256)}  # --model
 
 
 class GPTStep:
     """One training step of the default GPT, in phases that can be timed one by one."""
 
-    def __init__(self, dtype: str, batch: int):
-        cfg = nn.GPTConfig(dtype=dtype)
+    def __init__(self, dtype: str, batch: int, model: str = "default"):
+        base = MODELS[model]
+        cfg = nn.GPTConfig(block_size=base.block_size, d_model=base.d_model, dtype=dtype)
         self.model = nn.GPT(cfg, seed=0)
         self.opt = optim.AdamW(self.model.parameters(), lr=1e-3)
         self.tokens, self.targets = AdditionTask(cfg.block_size, 0).global_batch(0, batch)
@@ -110,14 +114,15 @@ def op_seconds(step: GPTStep, repeats: int) -> tuple[dict[str, float], dict[str,
     return ops, calls, graph_phases
 
 
-def profile_figures(dtype: str, batch: int, repeats: int) -> dict:
-    step = GPTStep(dtype, batch)
+def profile_figures(dtype: str, batch: int, repeats: int, model: str = "default") -> dict:
+    step = GPTStep(dtype, batch, model)
     with MemoryLedger():  # listening, as in `minipar train`: its work is part of the step
         phases = phase_seconds(step, repeats)
         ops, calls, graph_phases = op_seconds(step, repeats)
     in_ops = sum(seconds for name, seconds in ops.items() if name != "AdamW update")
     return {
-        "model": {"config": "default GPT", "dtype": dtype, "batch": batch, "repeats": repeats},
+        "model": {"config": f"{model} GPT", "d_model": step.model.config.d_model,
+                  "seq": step.model.config.block_size, "dtype": dtype, "batch": batch, "repeats": repeats},
         "phases_s": phases,
         "step_s": sum(phases.values()),
         "ops_s": dict(sorted(ops.items(), key=lambda item: -item[1])),
@@ -129,7 +134,8 @@ def profile_figures(dtype: str, batch: int, repeats: int) -> dict:
 
 def print_report(r: dict, top: int) -> None:
     m = r["model"]
-    print(f"default GPT, {m['dtype']}, batch {m['batch']}: one training step, median of {m['repeats']}")
+    print(f"{m['config']} (d {m['d_model']}, seq {m['seq']}), {m['dtype']}, batch {m['batch']}: one training "
+          f"step, median of {m['repeats']}")
     print("  phase            ms    share")
     for phase, seconds in r["phases_s"].items():
         print(f"  {phase:<14} {seconds * 1e3:6.2f}  {seconds / r['step_s']:6.1%}")
@@ -146,6 +152,8 @@ def print_report(r: dict, top: int) -> None:
 
 def main(argv) -> int:
     p = argparse.ArgumentParser(prog="minipar bench profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=tuple(MODELS), default="default",
+                   help="the default GPT (d 64, seq 32) or a wide one (d 256, seq 64)")
     p.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--repeats", type=int, default=10, help="steps timed (median) and profiled")
@@ -157,7 +165,7 @@ def main(argv) -> int:
             print(f"minipar bench profile: error: --{name} must be a positive integer, got "
                   f"{getattr(args, name)}", file=sys.stderr)
             return 2
-    r = profile_figures(args.dtype, args.batch, args.repeats)
+    r = profile_figures(args.dtype, args.batch, args.repeats, args.model)
     if args.json:
         print(json.dumps(r))
     else:
