@@ -94,8 +94,9 @@ class Softmax(Function):
     @staticmethod
     def forward(ctx, a, axis=-1):
         xp = xp_of(a)
-        e = xp.exp(a - a.max(axis=axis, keepdims=True))
-        out = e / e.sum(axis=axis, keepdims=True)
+        out = a - a.max(axis=axis, keepdims=True)  # exp(a - max) / sum, in place on our own array
+        xp.exp(out, out=out)
+        out /= out.sum(axis=axis, keepdims=True)
         ctx.save_for_backward(out)
         ctx.axis = axis
         return out
@@ -152,11 +153,13 @@ class LayerNorm(Function):
     def forward(ctx, x, weight, bias, eps=1e-5):
         xp = xp_of(x)
         mu = x.mean(axis=-1, keepdims=True)
-        centred = x - mu
-        rstd = 1.0 / xp.sqrt((centred * centred).mean(axis=-1, keepdims=True) + eps)
-        xhat = centred * rstd
+        xhat = x - mu  # centred, then scaled in place: (x - mu) * rstd
+        rstd = 1.0 / xp.sqrt((xhat * xhat).mean(axis=-1, keepdims=True) + eps)
+        xhat *= rstd
         ctx.save_for_backward(xhat, rstd)
-        return xhat * weight + bias
+        out = xhat * weight
+        out += bias
+        return out
 
     @staticmethod
     def backward(ctx, g):
@@ -165,13 +168,14 @@ class LayerNorm(Function):
         lead = tuple(range(g.ndim - 1))
         gw = (g * xhat).sum(axis=lead) if ctx.needs_input_grad[1] else None
         gb = g.sum(axis=lead) if ctx.needs_input_grad[2] else None
-        gxhat = g * weight
-        gx = rstd * (
-            gxhat
-            - gxhat.mean(axis=-1, keepdims=True)
-            - xhat * (gxhat * xhat).mean(axis=-1, keepdims=True)
-        )
-        return gx, gw, gb, None
+        # rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)), in place on gxhat, our own array,
+        # in the dtype the plain expression would end in (the same bits when all dtypes agree)
+        gxhat = (g * weight).astype(xp_of(g).result_type(g, weight, xhat, rstd), copy=False)
+        along_xhat = xhat * (gxhat * xhat).mean(axis=-1, keepdims=True)
+        gxhat -= gxhat.mean(axis=-1, keepdims=True)
+        gxhat -= along_xhat
+        gxhat *= rstd
+        return gxhat, gw, gb, None
 
 
 class Embedding(Function):

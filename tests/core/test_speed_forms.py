@@ -106,3 +106,35 @@ def test_ledger_running_device_total_is_the_sum_of_its_device_bytes():
             highest = max(highest, total)
             assert ledger.device_total() == total
         assert ledger.device_peak == highest
+
+
+def plain_softmax(a, axis):
+    e = np.exp(a - a.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def plain_layer_norm(x, w, b, g, eps=1e-5):
+    centred = x - x.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt((centred * centred).mean(axis=-1, keepdims=True) + eps)
+    xhat = centred * rstd
+    gxhat = g * w
+    gx = rstd * (gxhat - gxhat.mean(axis=-1, keepdims=True)
+                 - xhat * (gxhat * xhat).mean(axis=-1, keepdims=True))
+    return xhat * w + b, gx
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_and_layer_norm_in_place_give_the_plain_forms_bits(dtype):
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((2, 3, 6, 6)).astype(dtype)
+    for axis in (-1, 1):
+        assert np.array_equal(F.softmax(Tensor(a), axis).data, plain_softmax(a, axis))
+    x = rng.standard_normal((3, 4, 16)).astype(dtype)
+    w, b = rng.standard_normal(16).astype(dtype), rng.standard_normal(16).astype(dtype)
+    g = rng.standard_normal(x.shape).astype(dtype)
+    xt = Tensor(x, True)
+    y = F.layer_norm(xt, Tensor(w, True), Tensor(b, True))
+    y.backward(g)
+    want_y, want_gx = plain_layer_norm(x, w, b, g)
+    assert y.data.dtype == dtype and np.array_equal(y.data, want_y)
+    assert np.array_equal(xt.grad, want_gx)
