@@ -13,7 +13,7 @@ one thread; its first loss is checked against minipar's so that the two really c
 Without PyTorch the bench says so in one line. Lesson: lessons/01_autograd.md.
 
     python -m minipar bench autograd [--batch 256] [--width 512] [--layers 4] [--repeats 30]
-                                     [--torch-repeats 7] [--json]
+                                     [--torch-repeats 7] [--no-torch] [--json]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def hand_written_mlp_step(weights, x, y):
     return grads
 
 
-def autograd_figures(batch: int, width: int, layers: int, repeats: int) -> dict:
+def autograd_figures(batch: int, width: int, layers: int, repeats: int, with_torch: bool = True) -> dict:
     cfg = nn.MLPConfig(d_in=width, d_hidden=width, d_out=width, n_layer=layers)
     model = nn.MLPNet(cfg, seed=0)
     rng = np.random.default_rng(0)
@@ -73,7 +73,7 @@ def autograd_figures(batch: int, width: int, layers: int, repeats: int) -> dict:
         opt.step()
 
     works = {"hand": lambda: hand_written_mlp_step(weights, x, y), "minipar": minipar_step}
-    if torch_gpt.unavailable() is None:  # the same MLP in PyTorch, in the same rounds
+    if with_torch and torch_gpt.unavailable() is None:  # the same MLP in PyTorch, in the same rounds
         works["torch"] = torch_gpt.TorchMLPStep(model, x, y)
     times = round_times(works, repeats)
     figures = {
@@ -134,6 +134,7 @@ def main(argv) -> int:
     p.add_argument("--repeats", type=int, default=30, help="alternating rounds timed (median)")
     p.add_argument("--torch-repeats", type=int, default=7,
                    help="alternating rounds of the PyTorch comparison (median), when PyTorch is installed")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison even when installed")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     for name in ("batch", "width", "layers", "repeats", "torch_repeats"):
@@ -142,8 +143,8 @@ def main(argv) -> int:
             print(f"minipar bench autograd: error: --{flag} must be a positive integer, got "
                   f"{getattr(args, name)}", file=sys.stderr)
             return 2
-    r = autograd_figures(args.batch, args.width, args.layers, args.repeats)
-    missing = torch_gpt.unavailable()
+    r = autograd_figures(args.batch, args.width, args.layers, args.repeats, not args.no_torch)
+    missing = "--no-torch" if args.no_torch else torch_gpt.unavailable()
     r["torch"] = None if missing else torch_figures(args.torch_repeats)
     if args.json:
         print(json.dumps(r))
