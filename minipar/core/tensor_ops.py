@@ -160,7 +160,9 @@ class Linear(Function):
     """y = x W^T + b with W of shape (out, in), as torch.nn.functional.linear.
 
     Leading axes are folded into rows first, so that each product is one 2-D matrix product (one BLAS
-    call) rather than a batch of small ones; the rows are the same, and so are the bits."""
+    call) rather than a batch of small ones. Where NumPy's batched product also calls BLAS the bits
+    are the same; for some shapes (the GPT's 13-wide head) it runs its own loop, which adds in
+    another order: the two then differ in the last bit."""
 
     @staticmethod
     def forward(ctx, x, weight, bias=None):
