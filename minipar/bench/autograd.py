@@ -4,9 +4,16 @@ One forward and backward of an MLP (Linear-GELU-...-Linear, summed squared error
 autograd, and the same computation written by hand in NumPy (hand_written_mlp_step, which
 tests/trainer/test_train_cli.py checks gives the same gradients), timed in alternating rounds: their
 medians and the median of the per-round ratios, the overhead. Also the median time of one training
-step of the default GPT (AdamW). Lesson: lessons/01_autograd.md.
+step of the default GPT (AdamW).
 
-    python -m minipar bench autograd [--batch 256] [--width 512] [--layers 4] [--repeats 30] [--json]
+When PyTorch is installed (an optional extra, never in `make setup` nor CI: `pip install torch`, a
+CPU build), the same MLP and the same GPT written in PyTorch (same weights, AdamW) are timed against
+minipar's in alternating rounds, on the default and a wide GPT (d 256, seq 64), fp32 and fp64, on
+one thread; its first loss is checked against minipar's so that the two really compute the same step.
+Without PyTorch the bench says so in one line. Lesson: lessons/01_autograd.md.
+
+    python -m minipar bench autograd [--batch 256] [--width 512] [--layers 4] [--repeats 30]
+                                     [--torch-repeats 7] [--no-torch] [--json]
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import sys
 
 import numpy as np
 
-from minipar.bench.timing import median_seconds, paired_times
+from minipar.bench import torch_gpt
+from minipar.bench.profile import MODELS
+from minipar.bench.timing import median_seconds, round_times
 from minipar.core import functional as F
 from minipar.core import nn, optim
 from minipar.trainer.tasks import AdditionTask
@@ -43,7 +52,7 @@ def hand_written_mlp_step(weights, x, y):
     return grads
 
 
-def autograd_figures(batch: int, width: int, layers: int, repeats: int) -> dict:
+def autograd_figures(batch: int, width: int, layers: int, repeats: int, with_torch: bool = True) -> dict:
     cfg = nn.MLPConfig(d_in=width, d_hidden=width, d_out=width, n_layer=layers)
     model = nn.MLPNet(cfg, seed=0)
     rng = np.random.default_rng(0)
@@ -63,14 +72,58 @@ def autograd_figures(batch: int, width: int, layers: int, repeats: int) -> dict:
         gpt.loss(gpt(tokens), targets, targets.size).backward()
         opt.step()
 
-    hand, mine, ratio = paired_times(lambda: hand_written_mlp_step(weights, x, y), minipar_step, repeats)
-    return {
+    works = {"hand": lambda: hand_written_mlp_step(weights, x, y), "minipar": minipar_step}
+    if with_torch and torch_gpt.unavailable() is None:  # the same MLP in PyTorch, in the same rounds
+        works["torch"] = torch_gpt.TorchMLPStep(model, x, y)
+    times = round_times(works, repeats)
+    figures = {
         "mlp": {"batch": batch, "width": width, "layers": layers},
-        "hand_numpy_s": hand,
-        "minipar_s": mine,
-        "overhead_ratio": ratio,
+        "hand_numpy_s": float(np.median(times["hand"])),
+        "minipar_s": float(np.median(times["minipar"])),
+        "overhead_ratio": float(np.median(times["minipar"] / times["hand"])),
         "gpt_step_s": median_seconds(gpt_step, max(3, repeats // 4)),
     }
+    if "torch" in times:
+        figures["torch_mlp_s"] = float(np.median(times["torch"]))
+        figures["mlp_torch_ratio"] = float(np.median(times["minipar"] / times["torch"]))
+    return figures
+
+
+TORCH_MODELS = MODELS  # the default and the wide GPT, as bench profile has them
+
+
+def torch_figures(repeats: int, batch: int = 16) -> dict:
+    """minipar's GPT step against PyTorch's, alternating, for each of TORCH_MODELS in fp32 and fp64:
+    medians, the median per-round ratio minipar / PyTorch and its spread (the rounds' quartiles)."""
+    figures = {}
+    for name, base in TORCH_MODELS.items():
+        for dtype in ("float32", "float64"):
+            cfg = nn.GPTConfig(block_size=base.block_size, d_model=base.d_model, dtype=dtype)
+            tokens, targets = AdditionTask(cfg.block_size, 0).global_batch(0, batch)
+            mine = torch_gpt.MiniparGPTStep(cfg, tokens, targets)
+            theirs = torch_gpt.TorchGPTStep(mine.model, tokens, targets)
+            first_losses = (mine(), theirs())
+            times = round_times({"minipar": mine, "torch": theirs}, repeats)
+            ratios = times["minipar"] / times["torch"]
+            figures[f"{name} {dtype}"] = {
+                "d_model": cfg.d_model, "seq": cfg.block_size, "batch": batch,
+                "minipar_s": float(np.median(times["minipar"])), "torch_s": float(np.median(times["torch"])),
+                "ratio": float(np.median(ratios)),
+                "ratio_quartiles": [float(q) for q in np.percentile(ratios, [25, 75])],
+                "first_loss_gap": abs(first_losses[0] - first_losses[1]) / abs(first_losses[1]),
+            }
+    return figures
+
+
+def print_torch_figures(figures: dict, repeats: int) -> None:
+    print(f"GPT training step (AdamW), minipar against PyTorch {torch_gpt.torch_version()} on "
+          f"{torch_gpt.torch_threads()} thread(s), median of {repeats} alternating rounds")
+    print("  model                     minipar ms   PyTorch ms   ratio (quartiles)   first-loss gap")
+    for name, f in figures.items():
+        low, high = f["ratio_quartiles"]
+        label = f"{name} (d {f['d_model']}, seq {f['seq']})"
+        print(f"  {label:<25} {f['minipar_s'] * 1e3:10.2f}   {f['torch_s'] * 1e3:10.2f}   "
+              f"{f['ratio']:5.2f} ({low:.2f}-{high:.2f})   {f['first_loss_gap']:.1e}")
 
 
 def main(argv) -> int:
@@ -79,14 +132,20 @@ def main(argv) -> int:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=30, help="alternating rounds timed (median)")
+    p.add_argument("--torch-repeats", type=int, default=7,
+                   help="alternating rounds of the PyTorch comparison (median), when PyTorch is installed")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison even when installed")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    for name in ("batch", "width", "layers", "repeats"):
+    for name in ("batch", "width", "layers", "repeats", "torch_repeats"):
         if getattr(args, name) < 1:
-            print(f"minipar bench autograd: error: --{name} must be a positive integer, got "
+            flag = name.replace("_", "-")
+            print(f"minipar bench autograd: error: --{flag} must be a positive integer, got "
                   f"{getattr(args, name)}", file=sys.stderr)
             return 2
-    r = autograd_figures(args.batch, args.width, args.layers, args.repeats)
+    r = autograd_figures(args.batch, args.width, args.layers, args.repeats, not args.no_torch)
+    missing = "--no-torch" if args.no_torch else torch_gpt.unavailable()
+    r["torch"] = None if missing else torch_figures(args.torch_repeats)
     if args.json:
         print(json.dumps(r))
         return 0
@@ -96,4 +155,10 @@ def main(argv) -> int:
     print(f"  minipar autograd     {r['minipar_s'] * 1e3:8.2f} ms")
     print(f"  overhead ratio       {r['overhead_ratio']:8.3f}x")
     print(f"GPT (default config) training step: {r['gpt_step_s'] * 1e3:.1f} ms")
+    if missing:
+        print(f"PyTorch comparison skipped: {missing}")
+    else:
+        print(f"MLP in PyTorch {torch_gpt.torch_version()} (same rounds): {r['torch_mlp_s'] * 1e3:.2f} ms, "
+              f"minipar / PyTorch {r['mlp_torch_ratio']:.3f}x")
+        print_torch_figures(r["torch"], args.torch_repeats)
     return 0

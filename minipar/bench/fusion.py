@@ -4,7 +4,13 @@ Two workloads: a chain of 8 elementwise operations over two float32 arrays (2**2
 default), and the AdamW update over four. Each runs eagerly (one NumPy operation per node) and
 fused (tile by tile in cache); the table shows the median of repeated runs, the bytes each moved
 by the interpreters' count, and fused-over-eager ratios measured in the same run. The chain's line
-"numpy" is the same expression as plain NumPy code, for reference. Lesson: lessons/10_fusion.md.
+"numpy" is the same expression as plain NumPy code, for reference.
+
+Two limits for the fused run, timed in the same rounds: "copy", the copy ceiling (a copy moving
+the same bytes as the fused run, its inputs read once and its output written once: the time memory
+alone takes), and for the chain "floor", the compute floor (the fused kernel's per-tile program on
+one tile, which stays in cache, run once per tile: the time the arithmetic and the interpreter's
+per-tile work take with no memory traffic). Lesson: lessons/10_fusion.md.
 
     python -m minipar bench fusion [--size 16777216] [--repeats 5] [--tile 32768] [--json]
 """
@@ -19,9 +25,10 @@ import numpy as np
 
 from minipar import fusion as fx
 from minipar.bench.timing import alternating_medians
+from minipar.fusion.fuse import fuse
 from minipar.fusion.interpret import run
 from minipar.fusion.ir import array
-from minipar.fusion.tiled import TILE
+from minipar.fusion.tiled import TILE, TileProgram
 from minipar.fusion.training import adamw_update
 
 ADAMW_HYPERPARAMETERS = dict(step=10, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -39,8 +46,32 @@ def bench_chain(size: int, repeats: int, tile: int) -> dict:
     expr = chain8(array(a_values, name="a"), array(b_values, name="b"), ops=fx)
     works = {"eager": lambda: run(expr, fused=False, tile=tile)[1],
              "fused": lambda: run(expr, fused=True, tile=tile)[1],
-             "numpy": lambda: chain8(a_values, b_values)}
+             "numpy": lambda: chain8(a_values, b_values),
+             "copy": copy_ceiling(3 * size),
+             "floor": compute_floor(a_values[:tile].copy(), b_values[:tile].copy(), -(-size // tile))}
     return _rows(works, repeats)
+
+
+def copy_ceiling(values_moved: int):
+    """A float32 copy moving `values_moved` values, half read and half written: memory's time for them."""
+    source, target = np.ones(values_moved // 2, np.float32), np.empty(values_moved // 2, np.float32)
+    return lambda: np.copyto(target, source)
+
+
+def compute_floor(a_tile, b_tile, tiles: int):
+    """The fused chain's per-tile program run `tiles` times on the same tile, which stays in cache:
+    the fused run's arithmetic and per-tile loop without its memory traffic (nor its one-off planning)."""
+    (kernel,) = fuse([chain8(array(a_tile, name="a"), array(b_tile, name="b"), ops=fx)])
+    program = TileProgram(kernel.nodes, kernel.inputs, to_output=True)
+    inputs, out = [node.value for node in kernel.inputs], np.empty_like(a_tile)
+    buffers = [np.empty(a_tile.size, dtype) for dtype in program.buffer_dtypes]
+
+    def floor():
+        for _ in range(tiles):
+            program.run(np, inputs, out, buffers)
+
+    floor.out = out  # type: ignore[attr-defined]  # the tile's result, for a test to check
+    return floor
 
 
 def bench_adamw(size: int, repeats: int, tile: int) -> dict:
@@ -51,7 +82,8 @@ def bench_adamw(size: int, repeats: int, tile: int) -> dict:
     def step(fused):
         return adamw_update(param, grad, exp_avg, exp_avg_sq, **ADAMW_HYPERPARAMETERS, fused=fused)
 
-    return _rows({"eager": lambda: step(False), "fused": lambda: step(True)}, repeats)
+    return _rows({"eager": lambda: step(False), "fused": lambda: step(True),
+                  "copy": copy_ceiling(10 * size)}, repeats)
 
 
 def _rows(works: dict, repeats: int) -> dict:
@@ -75,8 +107,12 @@ def _table(results: dict, size: int, repeats: int, tile: int) -> str:
             lines.append(f"{workload:<10}{mode:<8}{kernels:>8}{moved:>11}{row['seconds'] * 1e3:>11.1f}")
     for workload, rows in results.items():
         eager, fused = rows["eager"], rows["fused"]
+        floor = ""
+        if "floor" in rows:
+            floor = f", {fused['seconds'] / rows['floor']['seconds']:.2f}x the compute floor"
         lines.append(f"{workload}: eager/fused time {eager['seconds'] / fused['seconds']:.2f}x, "
-                     f"bytes moved {eager['bytes_moved'] / fused['bytes_moved']:.1f}x")
+                     f"bytes moved {eager['bytes_moved'] / fused['bytes_moved']:.1f}x; fused takes "
+                     f"{fused['seconds'] / rows['copy']['seconds']:.2f}x the copy ceiling{floor}")
     return "\n".join(lines)
 
 

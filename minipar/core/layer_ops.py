@@ -25,17 +25,51 @@ def _data(x):
 
 
 def gelu_forward(x):
-    """GPT-2's tanh approximation of GELU on arrays."""
-    xp = xp_of(x)
-    return 0.5 * x * (1.0 + xp.tanh(GELU_C * (x + 0.044715 * x * x * x)))
+    """GPT-2's tanh approximation of GELU on arrays: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))."""
+    t = _tanh_of_inner(x)
+    t += 1.0
+    half_x = 0.5 * x
+    half_x *= t
+    return half_x
 
 
 def gelu_backward(x, g):
+    """g times GELU'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 0.044715 x^2), t = tanh(inner).
+
+    The plain form, one new array per operation (about twenty, each a trip through memory and, at
+    this size, fresh pages):
+        g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (c * (1.0 + 3 * 0.044715 * x * x)))
+    Here the same operations in the same order (so the same bits, tests/core/test_speed_forms.py),
+    written in place on three arrays of our own."""
     xp = xp_of(x)
-    inner = GELU_C * (x + 0.044715 * x * x * x)
-    t = xp.tanh(inner)
-    d_inner = GELU_C * (1.0 + 3 * 0.044715 * x * x)
-    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner)
+    t = _tanh_of_inner(x)
+    scratch = xp.multiply(t, t)  # 1 - t t
+    xp.subtract(1.0, scratch, out=scratch)
+    slope = 0.5 * x  # 0.5 x (1 - t t), then times d_inner
+    slope *= scratch
+    d_inner = xp.multiply(x, 3 * 0.044715, out=scratch)  # c (1 + 3 0.044715 x x), in the scratch
+    d_inner *= x
+    d_inner += 1.0
+    d_inner *= GELU_C
+    slope *= d_inner
+    t += 1.0  # 0.5 (1 + t) + slope, times g
+    t *= 0.5
+    t += slope
+    if xp.result_type(t, g) != t.dtype:  # a wider gradient widens the result, as g * (...) would
+        return g * t
+    t *= g
+    return t
+
+
+def _tanh_of_inner(x):
+    """tanh(c (x + 0.044715 x x x)), computed in one new array."""
+    xp = xp_of(x)
+    inner = 0.044715 * x
+    inner *= x
+    inner *= x
+    inner += x
+    inner *= GELU_C
+    return xp.tanh(inner, out=inner)
 
 
 class GELU(Function):
@@ -60,8 +94,9 @@ class Softmax(Function):
     @staticmethod
     def forward(ctx, a, axis=-1):
         xp = xp_of(a)
-        e = xp.exp(a - a.max(axis=axis, keepdims=True))
-        out = e / e.sum(axis=axis, keepdims=True)
+        out = a - a.max(axis=axis, keepdims=True)  # exp(a - max) / sum, in place on our own array
+        xp.exp(out, out=out)
+        out /= out.sum(axis=axis, keepdims=True)
         ctx.save_for_backward(out)
         ctx.axis = axis
         return out
@@ -118,11 +153,13 @@ class LayerNorm(Function):
     def forward(ctx, x, weight, bias, eps=1e-5):
         xp = xp_of(x)
         mu = x.mean(axis=-1, keepdims=True)
-        centred = x - mu
-        rstd = 1.0 / xp.sqrt((centred * centred).mean(axis=-1, keepdims=True) + eps)
-        xhat = centred * rstd
+        xhat = x - mu  # centred, then scaled in place: (x - mu) * rstd
+        rstd = 1.0 / xp.sqrt((xhat * xhat).mean(axis=-1, keepdims=True) + eps)
+        xhat *= rstd
         ctx.save_for_backward(xhat, rstd)
-        return xhat * weight + bias
+        out = xhat * weight
+        out += bias
+        return out
 
     @staticmethod
     def backward(ctx, g):
@@ -131,13 +168,14 @@ class LayerNorm(Function):
         lead = tuple(range(g.ndim - 1))
         gw = (g * xhat).sum(axis=lead) if ctx.needs_input_grad[1] else None
         gb = g.sum(axis=lead) if ctx.needs_input_grad[2] else None
-        gxhat = g * weight
-        gx = rstd * (
-            gxhat
-            - gxhat.mean(axis=-1, keepdims=True)
-            - xhat * (gxhat * xhat).mean(axis=-1, keepdims=True)
-        )
-        return gx, gw, gb, None
+        # rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)), in place on gxhat, our own array,
+        # in the dtype the plain expression would end in (the same bits when all dtypes agree)
+        gxhat = (g * weight).astype(xp_of(g).result_type(g, weight, xhat, rstd), copy=False)
+        along_xhat = xhat * (gxhat * xhat).mean(axis=-1, keepdims=True)
+        gxhat -= gxhat.mean(axis=-1, keepdims=True)
+        gxhat -= along_xhat
+        gxhat *= rstd
+        return gxhat, gw, gb, None
 
 
 class Embedding(Function):

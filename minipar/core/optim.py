@@ -16,17 +16,31 @@ OPTIMIZERS = ("adamw", "sgd")  # `minipar train --optimizer`: AdamW or SGD (with
 
 
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
-    """One AdamW step in place, in PyTorch's order of operations (decoupled decay, bias correction)."""
+    """One AdamW step in place, in PyTorch's order of operations (decoupled decay, bias correction).
+
+    The plain form, one temporary array per operation:
+        exp_avg = beta1 * exp_avg + (1 - beta1) * grad
+        exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+        param -= (lr / bias_correction1) * exp_avg / (sqrt(exp_avg_sq) / sqrt(bias_correction2) + eps)
+    written here on three new arrays (the plain form makes eight): the same operations in the same
+    order, so the same bits (tests/core/test_speed_forms.py)."""
     xp = xp_of(param)
     param *= 1 - lr * weight_decay
+    scratch = xp.multiply(grad, 1 - beta1)
     exp_avg *= beta1
-    exp_avg += (1 - beta1) * grad
+    exp_avg += scratch
+    xp.multiply(grad, 1 - beta2, out=scratch)
+    scratch *= grad
     exp_avg_sq *= beta2
-    exp_avg_sq += (1 - beta2) * grad * grad
+    exp_avg_sq += scratch
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    denom = xp.sqrt(exp_avg_sq) / bias_correction2**0.5 + eps
-    param -= (lr / bias_correction1) * exp_avg / denom
+    denom = xp.sqrt(exp_avg_sq)  # a new array: exp_avg_sq's dtype may differ from grad's
+    denom /= bias_correction2**0.5
+    denom += eps
+    update = xp.multiply(exp_avg, lr / bias_correction1)
+    update /= denom
+    param -= update
 
 
 def sgd_update(param, grad, momentum_buffer, lr, momentum, weight_decay):

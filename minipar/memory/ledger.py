@@ -51,6 +51,8 @@ class MemoryLedger:
         self.peak = dict(self.current)
         self.held_peak = dict.fromkeys(CATEGORIES, 0)  # of each category summed over the tiers
         self.device_peak = 0
+        self._device_total = 0  # the sum of current device bytes, kept up to date by set: set runs on
+        # every saved activation, hundreds of times a step, and must not re-add fifteen numbers each time
         self.buffer_sizes = Counter()  # size -> temporary buffers allocated this window (fragmentation)
         self.subscriptions = [listen_weakly(autograd.activation_meter, self._activations_changed),
                               listen_weakly(buffer_meter, self._buffers_changed),
@@ -69,11 +71,14 @@ class MemoryLedger:
 
     def set(self, category: str, nbytes: int, tier: str = "device"):
         """Record that this rank now holds `nbytes` of `category` in `tier`."""
-        key = (category, tier)
-        self.current[key] = int(nbytes)
-        self.peak[key] = max(self.peak[key], self.current[key])
+        key, nbytes = (category, tier), int(nbytes)
+        if tier == "device":
+            self._device_total += nbytes - self.current[key]
+        self.current[key] = nbytes
+        if nbytes > self.peak[key]:
+            self.peak[key] = nbytes
         self.held_peak[category] = max(self.held_peak[category], self.held(category))
-        self.device_peak = max(self.device_peak, self.device_total())
+        self.device_peak = max(self.device_peak, self._device_total)
 
     def add(self, category: str, nbytes: int, tier: str = "device"):
         self.set(category, self.current[(category, tier)] + nbytes, tier)
@@ -92,7 +97,7 @@ class MemoryLedger:
         return sum(self.current[(category, t)] for t in TIERS)
 
     def device_total(self) -> int:
-        return sum(v for (_, tier), v in self.current.items() if tier == "device")
+        return self._device_total
 
     def reset_peaks(self):
         """Start a new window (a step): peaks restart from what is held now."""

@@ -3,9 +3,10 @@
 
 import json
 
+import numpy as np
 import pytest
 
-from minipar.bench.fusion import main
+from minipar.bench.fusion import chain8, compute_floor, main
 
 
 def test_bench_reports_medians_and_counted_bytes(capsys):
@@ -30,3 +31,14 @@ def test_bad_numbers_exit_2_with_one_line(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "must be a positive integer" in err
+
+
+def test_bench_times_the_copy_ceiling_and_the_chains_compute_floor(capsys):
+    a, b = np.linspace(0.0, 1.0, 512, dtype=np.float32), np.linspace(1.0, 2.0, 512, dtype=np.float32)
+    floor = compute_floor(a, b, tiles=3)
+    floor()  # the floor runs the chain's own operations, on the one tile it holds
+    assert np.array_equal(floor.out, chain8(a, b))
+    assert main(["--size", "3000", "--repeats", "1", "--tile", "512", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert results["chain8"]["copy"]["seconds"] > 0 and results["chain8"]["floor"]["seconds"] > 0
+    assert "copy" in results["adamw"] and "floor" not in results["adamw"]

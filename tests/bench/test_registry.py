@@ -11,7 +11,7 @@ import pytest
 
 from minipar.bench import autograd, registry
 
-TINY = ["--batch", "4", "--width", "8", "--layers", "2", "--repeats", "2"]
+TINY = ["--batch", "4", "--width", "8", "--layers", "2", "--repeats", "2", "--no-torch"]
 
 
 @pytest.mark.parametrize("name", registry.BENCHES)

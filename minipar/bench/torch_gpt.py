@@ -1,0 +1,134 @@
+"""minipar's GPT written again in PyTorch, for `bench autograd` to time one against the other.
+
+PyTorch is an optional extra: nothing here imports it until a step is built, and `unavailable()`
+says in one line why the comparison cannot run. The PyTorch model reads minipar's weights by name,
+so both start from the same numbers; it is written with torch.nn.functional, op for op as minipar's
+nn.GPT (pre-LayerNorm blocks, no key bias, tanh GELU, untied embeddings, summed cross-entropy over
+the token count), trained with torch.optim.AdamW at minipar's defaults. Lesson: lessons/01_autograd.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+from minipar.core import nn, optim
+
+
+def unavailable() -> str | None:
+    """Why PyTorch cannot be compared here (one line), or None when it can."""
+    if importlib.util.find_spec("torch") is None:
+        return "PyTorch is not installed (optional: pip install torch, a CPU build; not in make setup nor CI)"
+    return None
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+class MiniparGPTStep:
+    """One training step of minipar's GPT (AdamW); calling it returns the loss before the update."""
+
+    def __init__(self, cfg: nn.GPTConfig, tokens, targets):
+        self.model = nn.GPT(cfg, seed=0)
+        self.opt = optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.tokens, self.targets = tokens, targets
+
+    def __call__(self) -> float:
+        self.opt.zero_grad()
+        loss = self.model.loss(self.model(self.tokens), self.targets, self.targets.size)
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+
+class TorchGPTStep:
+    """The same step in PyTorch, on one thread, from a copy of `model`'s weights."""
+
+    def __init__(self, model: nn.GPT, tokens, targets):
+        import torch
+
+        torch.set_num_threads(1)  # one BLAS thread, as each minipar rank has
+        self.torch, self.cfg = torch, model.config
+        self.p = {name: torch.tensor(p.data.copy(), requires_grad=True)
+                  for name, p in model.named_parameters()}
+        self.opt = torch.optim.AdamW(self.p.values(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                                     weight_decay=0.01)
+        self.tokens, self.targets = torch.from_numpy(tokens), torch.from_numpy(targets)
+        T = tokens.shape[1]
+        dtype = self.p["embed.wte.weight"].dtype
+        self.mask = torch.triu(torch.full((T, T), -math.inf, dtype=dtype), diagonal=1)
+
+    def __call__(self) -> float:
+        self.opt.zero_grad()
+        loss = self.loss()
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+    def loss(self):
+        F, p = self.torch.nn.functional, self.p
+        ids = self.tokens
+        x = p["embed.wte.weight"][ids] + p["embed.wpe.weight"][self.torch.arange(ids.shape[1])]
+        for i in range(self.cfg.n_layer):
+            b = f"blocks.{i}."
+            x = x + self.attention(self.layer_norm(x, b + "ln_1"), b + "attn.")
+            h = F.gelu(F.linear(self.layer_norm(x, b + "ln_2"), p[b + "mlp.fc.weight"], p[b + "mlp.fc.bias"]),
+                       approximate="tanh")
+            x = x + F.linear(h, p[b + "mlp.proj.weight"], p[b + "mlp.proj.bias"])
+        logits = F.linear(self.layer_norm(x, "head.ln_f"), p["head.lm_head.weight"])
+        V = logits.shape[-1]
+        total = F.cross_entropy(logits.reshape(-1, V), self.targets.reshape(-1), reduction="sum")
+        return total * (1.0 / self.targets.numel())
+
+    def layer_norm(self, x, name):
+        return self.torch.nn.functional.layer_norm(x, (x.shape[-1],), self.p[name + ".weight"],
+                                                   self.p[name + ".bias"], eps=1e-5)
+
+    def attention(self, x, a):
+        F, p = self.torch.nn.functional, self.p
+        B, T, C = x.shape
+        hd = C // self.cfg.n_head
+
+        def heads(t):
+            return t.reshape(B, T, self.cfg.n_head, hd).transpose(1, 2)
+
+        q = heads(F.linear(x, p[a + "query.weight"], p[a + "query.bias"]))
+        k = heads(F.linear(x, p[a + "key.weight"]))
+        v = heads(F.linear(x, p[a + "value.weight"], p[a + "value.bias"]))
+        scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + self.mask
+        y = self.torch.softmax(scores, dim=-1) @ v
+        return F.linear(y.transpose(1, 2).reshape(B, T, C), p[a + "proj.weight"], p[a + "proj.bias"])
+
+
+class TorchMLPStep:
+    """Forward and backward of minipar's MLPNet in PyTorch (summed squared error), from its weights."""
+
+    def __init__(self, model: nn.MLPNet, x, y):
+        import torch
+
+        torch.set_num_threads(1)
+        self.torch = torch
+        self.layers = [(torch.tensor(layer.linear.weight.data.copy(), requires_grad=True),
+                        torch.tensor(layer.linear.bias.data.copy(), requires_grad=True))
+                       for layer in model.layers]
+        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
+
+    def __call__(self) -> float:
+        F, h = self.torch.nn.functional, self.x
+        for w, b in self.layers:
+            w.grad = b.grad = None
+        for i, (w, b) in enumerate(self.layers):
+            h = F.linear(h, w, b)
+            h = F.gelu(h, approximate="tanh") if i < len(self.layers) - 1 else h
+        loss = ((h - self.y) ** 2).sum()
+        loss.backward()
+        return loss.item()

@@ -1,0 +1,32 @@
+"""`bench profile` splits one step of the default GPT into phases and operations. Its call counts are
+checked against the architecture counted by hand; its times are not asserted (lesson 1 quotes a run)."""
+
+import json
+import subprocess
+import sys
+
+from minipar.bench import profile
+from minipar.core import nn
+
+
+def test_the_profile_counts_each_operation_as_the_default_gpt_has_it(capsys):
+    assert profile.main(["--repeats", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    layers = nn.GPTConfig().n_layer
+    calls = r["op_calls_per_step"]
+    # a block: query, key, value, attention projection, fc, mlp projection; then the lm head
+    assert calls["Linear.forward"] == calls["Linear.backward"] == 6 * layers + 1
+    assert calls["GELU.forward"] == calls["GELU.backward"] == layers
+    assert calls["LayerNorm.forward"] == 2 * layers + 1 and calls["CrossEntropy.forward"] == 1
+    assert calls["AdamW update"] == len(list(nn.GPT(nn.GPTConfig(), seed=0).parameters()))
+    assert set(r["phases_s"]) == {"forward", "backward", "optimizer", "communication"}
+    assert r["phases_s"]["communication"] < r["phases_s"]["optimizer"]  # one process sends nothing
+    assert abs(r["step_s"] - sum(r["phases_s"].values())) < 1e-12
+    in_ops = sum(s for name, s in r["ops_s"].items() if name != "AdamW update")
+    assert 0 <= r["bookkeeping_s"] and in_ops + r["bookkeeping_s"] <= r["profiled_forward_backward_s"] + 1e-12
+
+
+def test_a_bad_option_is_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, "-m", "minipar", "bench", "profile", "--repeats", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--repeats" in done.stderr

@@ -1,0 +1,43 @@
+"""`bench autograd`'s PyTorch comparison times the same computation: PyTorch (an independent
+implementation) trains the same GPT to the same losses from minipar's weights, and the same MLP to the
+same gradients. Skipped where PyTorch is not installed (CI); there the bench says so in one line."""
+
+import numpy as np
+import pytest
+
+from minipar.bench import autograd, torch_gpt
+from minipar.core import nn
+from minipar.trainer.tasks import AdditionTask
+
+
+def test_without_pytorch_the_bench_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(torch_gpt, "unavailable", lambda: "PyTorch is not installed")
+    assert autograd.main(["--batch", "4", "--width", "8", "--layers", "2", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "PyTorch" in line] == [
+        "PyTorch comparison skipped: PyTorch is not installed"]
+
+
+def test_pytorch_trains_the_same_gpt_to_the_same_losses():
+    pytest.importorskip("torch")
+    cfg = nn.GPTConfig(n_layer=2, dtype="float64")
+    tokens, targets = AdditionTask(cfg.block_size, 0).global_batch(0, 4)
+    mine = torch_gpt.MiniparGPTStep(cfg, tokens, targets)
+    theirs = torch_gpt.TorchGPTStep(mine.model, tokens, targets)
+    for _ in range(3):  # the second and third losses also check AdamW's update
+        a, b = mine(), theirs()
+        assert abs(a - b) <= 1e-9 * abs(b)
+
+
+def test_pytorch_computes_the_same_mlp_gradients():
+    pytest.importorskip("torch")
+    model = nn.MLPNet(nn.MLPConfig(d_in=8, d_hidden=8, d_out=8, n_layer=3), seed=0)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((5, 8)), rng.standard_normal((5, 8))
+    weights = [(layer.linear.weight.data, layer.linear.bias.data) for layer in model.layers]
+    hand = autograd.hand_written_mlp_step(weights, x, y)[::-1]  # it returns them last layer first
+    step = torch_gpt.TorchMLPStep(model, x, y)
+    step()
+    for (gw, gb), (w, b) in zip(hand, step.layers):
+        np.testing.assert_allclose(w.grad.numpy(), gw, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(b.grad.numpy(), gb, rtol=1e-9, atol=1e-12)
