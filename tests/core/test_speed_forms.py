@@ -4,7 +4,8 @@ GELU's forward and backward, Softmax, LayerNorm and AdamW's update were rewritte
 temporaries); each must equal, bit for bit, the plain one-temporary-per-operation form below, in fp64
 and fp32. Linear folds its leading axes into one 2-D matrix product: that is its definition now, and
 it agrees with NumPy's batched product to rounding (not always bit for bit: see the test). The
-memory ledger's running device total must equal the sum of its current device bytes after any sequence of sets.
+memory ledger's running device total must equal the sum of its current device bytes after any
+sequence of sets.
 """
 
 import math
