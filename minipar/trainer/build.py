@@ -106,7 +106,8 @@ def build_updater(cfg, grid, model, scaler=None):
     if cfg.zero == 0 and grid.dp_cp.size > 1:
         optimizer = optimizer_of(model.parameters())
         return DistributedDataParallel(model, optimizer, grid.dp_cp, cfg.bucket_mb,
-                                       mixed_precision.gradient_all_reduce(cfg.precision, grid.dp_cp))
+                                       mixed_precision.gradient_all_reduce(cfg.precision, grid.dp_cp),
+                                       overlap=not cfg.no_overlap, microbatches=cfg.microbatches)
     return LocalUpdater(model, optimizer_of(model.parameters()))
 
 

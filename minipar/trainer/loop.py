@@ -101,6 +101,7 @@ class Trainer:
             "time_s": elapsed,
             "mem": self.memory.report(),
             "comm": {**traffic.step_report(), **traffic.step_links()},  # by_link: intra-/inter-node
+            "comm_wait_s": traffic.step_wait_s,  # blocked in MPI calls and waits (dist/comm.py's watch)
         }
         optional = {  # in the log only where the layout has them
             "pipeline": self.engine.runner.timing(),  # busy/idle time of the stages, bubble (pipeline.py)

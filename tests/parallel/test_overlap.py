@@ -1,0 +1,102 @@
+"""Overlap: DDP's all-reduces start in backward and change nothing but the waiting.
+
+    pytest -m "not mpi" tests/parallel/test_overlap.py                      # the watched wait, the option
+    mpiexec -n K python -m pytest -m mpi tests/parallel/test_overlap.py      # K = 2, 4: dp = K
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+from mpi4py import MPI
+from mpi_harness import mpi_given, mpi_test
+
+from minipar.dist import watchdog
+from minipar.dist.comm import Comm
+from minipar.parallel.ddp import DistributedDataParallel
+from minipar.trainer import loop as train
+from minipar.trainer.config import TrainConfig
+
+
+def tiny(**changes) -> TrainConfig:
+    base = TrainConfig(model="gpt", precision="fp64", n_layer=2, n_head=2, d_model=16, seq_len=8,
+                       batch_size=8, steps=2, quiet=True)
+    return base.replace(**changes)
+
+
+# ---- serial ----
+
+
+def test_a_non_blocking_all_reduce_is_charged_at_once_and_its_wait_is_watched():
+    comm = Comm(MPI.COMM_SELF.Dup(), name="dp")
+    seen = []
+    pending = comm.iall_reduce(np.arange(4.0))
+    request = pending.request
+
+    class Spy:  # the real request, looked at while its Wait runs
+        def Wait(self):
+            seen.append(watchdog.WATCHDOG.current)
+            request.Wait()
+
+    pending.request = Spy()
+    before = comm.ledger.step_wait_s
+    np.testing.assert_array_equal(pending.wait(), np.arange(4.0))
+    assert seen[0] is not None and seen[0][:2] == ("all_reduce (non-blocking)", "dp")
+    assert watchdog.WATCHDOG.current is None
+    assert comm.ledger.step_wait_s > before
+    # one rank sends nothing, but the call is counted as an all-reduce like the blocking one
+    assert comm.ledger.step_report()["by_op"] == {"all_reduce": 0}
+
+
+def test_overlap_is_the_default_and_no_overlap_is_a_layout_option_the_reference_ignores():
+    assert TrainConfig().no_overlap is False
+    assert tiny(no_overlap=True).single_process().no_overlap is True  # no layout: the same arithmetic
+
+
+# ---- mpi ----
+
+
+@mpi_given(max_examples=4,
+           model=st.sampled_from(["gpt", "mlp"]),
+           microbatches=st.integers(1, 3),
+           bucket_mb=st.sampled_from([1e-6, 2e-3, 1.0]),
+           no_overlap=st.booleans(),
+           recompute=st.sampled_from(["none", "full"]),
+           seed=st.integers(0, 2**16))
+def test_with_and_without_overlap_ddp_trains_to_the_single_process_result(
+        comm, model, microbatches, bucket_mb, no_overlap, recompute, seed):
+    cfg = tiny(model=model, dp=comm.size, batch_size=comm.size * microbatches, microbatches=microbatches,
+               bucket_mb=bucket_mb, no_overlap=no_overlap, recompute=recompute, seed=seed, steps=3)
+    trainer = train.Trainer(cfg, comm.mpi)
+    records = trainer.run()
+    full = trainer.full_state()
+    if comm.rank == 0:
+        losses, reference = train.reference_run(cfg)
+        np.testing.assert_allclose([r["loss"] for r in records], losses, rtol=1e-9, atol=0)
+        for name, (_, want) in reference.items():
+            np.testing.assert_allclose(full[name], want, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def buckets_outside_the_first_unit(model, buckets) -> int:
+    """The buckets backward can start: every unit's hook fires but the first one's (token ids or the
+    input batch need no gradient, so its backward hook never runs)."""
+    first = {id(p) for p in model.units()[0][1].parameters()}
+    return sum(not any(id(p) in first for p in bucket) for bucket in buckets)
+
+
+@mpi_test
+def test_every_bucket_outside_the_first_unit_starts_in_backward_and_the_bytes_do_not_change(comm):
+    n = comm.size
+    runs = {}
+    for no_overlap in (False, True):
+        cfg = tiny(dp=n, batch_size=2 * n, microbatches=2, bucket_mb=1e-6, no_overlap=no_overlap)
+        trainer = train.Trainer(cfg, comm.mpi)
+        runs[no_overlap] = trainer.run()
+        updater = trainer.engine.updater
+        assert isinstance(updater, DistributedDataParallel) and updater.overlap is not no_overlap
+        early = buckets_outside_the_first_unit(trainer.engine.model, updater.buckets)
+        assert early > 0 and updater.started_in_backward == (0 if no_overlap else early)
+    for overlapped, blocking in zip(runs[False], runs[True]):
+        assert overlapped["comm"] == blocking["comm"]  # same bytes, messages, links
+        for record in (overlapped, blocking):
+            assert 0 <= record["comm_wait_s"] <= record["time_s"]
