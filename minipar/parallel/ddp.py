@@ -59,6 +59,12 @@ def plan_buckets(params, bucket_bytes: int) -> list[list[Parameter]]:
     return buckets
 
 
+def named_units(model) -> list:
+    """(name, module) of the model's units in execution order (the GPT's embedding, blocks and head;
+    the MLP's layers; a pipeline stage's own): backward is done with a unit at its full backward hook."""
+    return model.units()
+
+
 def flatten(arrays):
     """One contiguous 1-D array holding the arrays one after another."""
     return xp_of(arrays[0]).concatenate([a.reshape(-1) for a in arrays])
@@ -93,12 +99,12 @@ class DistributedDataParallel(LocalUpdater):
     def hook_units(self, microbatches: int) -> None:
         """A full backward hook on every unit: on the unit's `microbatches`-th backward of the step its
         gradients are final; every bucket whose units are all final then starts its all-reduce."""
-        unit_of = {id(p): name for name, unit in self.model.units() for p in unit.parameters()}
+        unit_of = {id(p): name for name, unit in named_units(self.model) for p in unit.parameters()}
         self.bucket_units = [{unit_of.get(id(p)) for p in bucket} for bucket in self.buckets]
         self.backwards: dict[str, int] = {}  # unit -> backwards seen this step
         self.final: set[str | None] = set()
         self.microbatches = microbatches
-        for name, unit in self.model.units():
+        for name, unit in named_units(self.model):
             self.hooks.append(unit.register_full_backward_hook(self.unit_done_hook(name)))
 
     def unit_done_hook(self, name: str):

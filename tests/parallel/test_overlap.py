@@ -9,13 +9,14 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_harness import mpi_given, mpi_test
+from mpi_harness import at_world_size, mpi_given, mpi_test
 
 from minipar.dist import watchdog
 from minipar.dist.comm import Comm
 from minipar.parallel.ddp import DistributedDataParallel
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
+from minipar.trainer.tasks import local_slice
 
 
 def tiny(**changes) -> TrainConfig:
@@ -56,7 +57,13 @@ def test_overlap_is_the_default_and_no_overlap_is_a_layout_option_the_reference_
 # ---- mpi ----
 
 
-@mpi_given(max_examples=4,
+# written out: overlap with accumulation (a bucket must wait for the last micro-batch), on both models
+OVERLAPPED_ACCUMULATION = [at_world_size((2, 4), model=model, microbatches=3, bucket_mb=2e-3, no_overlap=False,
+                                         recompute=recompute, seed=5)
+                           for model, recompute in (("gpt", "full"), ("mlp", "none"))]
+
+
+@mpi_given(max_examples=3, examples=OVERLAPPED_ACCUMULATION,
            model=st.sampled_from(["gpt", "mlp"]),
            microbatches=st.integers(1, 3),
            bucket_mb=st.sampled_from([1e-6, 2e-3, 1.0]),
@@ -100,3 +107,30 @@ def test_every_bucket_outside_the_first_unit_starts_in_backward_and_the_bytes_do
         assert overlapped["comm"] == blocking["comm"]  # same bytes, messages, links
         for record in (overlapped, blocking):
             assert 0 <= record["comm_wait_s"] <= record["time_s"]
+
+
+@mpi_test
+def test_a_gradient_that_grows_after_its_bucket_started_is_still_summed_whole(comm):
+    """A parameter used again after its unit's last backward (no model here does; a new one might)
+    adds to a gradient whose all-reduce has started: the step must sum that part too."""
+    n = comm.size
+    summed = {}
+    for no_overlap in (False, True):
+        cfg = tiny(dp=n, batch_size=n, bucket_mb=1e-6, steps=1, no_overlap=no_overlap)
+        trainer = train.Trainer(cfg, comm.mpi)
+        engine, updater = trainer.engine, trainer.engine.updater
+        inputs, targets = trainer.task.global_batch(0, cfg.batch_size)
+        mine = local_slice(len(inputs), n, comm.rank)
+        engine.model.zero_grad()
+        engine.runner.forward_backward(inputs[mine], targets[mine], engine.normaliser(targets))
+        head = engine.model.units()[-1][1].parameters()[0]
+        late = np.full(head.shape, comm.rank + 1.0)
+        head.grad = late if head.grad is None else head.grad + late  # None: its all-reduce took it
+        if no_overlap:
+            updater.all_reduce_gradients()
+        else:
+            assert updater.in_flight, "the head's bucket should be in flight"
+            updater.finish_overlapped()
+        summed[no_overlap] = {name: p.grad.copy() for name, p in engine.model.named_parameters()}
+    for name, want in summed[True].items():
+        np.testing.assert_allclose(summed[False][name], want, rtol=1e-12, atol=1e-15, err_msg=name)
