@@ -58,8 +58,8 @@ def test_overlap_is_the_default_and_no_overlap_is_a_layout_option_the_reference_
 
 
 # written out: overlap with accumulation (a bucket must wait for the last micro-batch), on both models
-OVERLAPPED_ACCUMULATION = [at_world_size((2, 4), model=model, microbatches=3, bucket_mb=2e-3, no_overlap=False,
-                                         recompute=recompute, seed=5)
+OVERLAPPED_ACCUMULATION = [at_world_size((2, 4), model=model, microbatches=3, bucket_mb=2e-3,
+                                         no_overlap=False, recompute=recompute, seed=5)
                            for model, recompute in (("gpt", "full"), ("mlp", "none"))]
 
 
