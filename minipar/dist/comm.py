@@ -265,7 +265,7 @@ class Comm:
                            link=self.link_to(self.successor))
         return _device(buffer)
 
-    def iall_reduce(self, x, op: str = "sum") -> PendingAllReduce:
+    def iall_reduce(self, x, op: str = "sum") -> PendingCollective:
         """Start an all-reduce of x without waiting: charged now, like all_reduce (same bytes, same
         messages); `wait()` on the result gives the array. MPI moves the data only inside MPI calls
         (unless MPICH's progress thread runs: MPIR_CVAR_ASYNC_PROGRESS=1), so whoever computes
@@ -274,7 +274,32 @@ class Comm:
         received = _receive_buffer(send.shape, send.dtype)
         request = self.mpi.Iallreduce(send, received, op=REDUCE_OPS[op])
         self._charge_ring("all_reduce", shard_sizes(send.size, self.size), send.itemsize)
-        return PendingAllReduce(self, request, send, received)
+        return PendingCollective(self, "all_reduce", request, send, lambda: _device(received))
+
+    def iall_gather(self, shard, numel: int) -> PendingCollective:
+        """Start all_gather(shard, numel) without waiting (ZeRO-3's prefetch): charged now, like
+        all_gather; `wait()` on the result gives the flat concatenation."""
+        counts = shard_sizes(numel, self.size)
+        flat = shard.reshape(-1)
+        if counts[self.rank] != flat.size:
+            raise ValueError(f"rank {self.rank} holds {flat.size} elements, but shard_bounds({numel}, "
+                             f"{self.size}, {self.rank}) says {counts[self.rank]}")
+        widest = max(counts)
+        xp = backend.xp_of(flat)
+        if flat.size != widest:  # padded as all_gather pads
+            flat = xp.concatenate([flat, xp.zeros(widest - flat.size, flat.dtype)])
+        send = _send_buffer(flat)
+        received = _receive_buffer((self.size, widest), send.dtype)
+        request = self.mpi.Iallgather(send, received)
+        self._charge_ring("all_gather", counts, send.itemsize)
+
+        def gathered():
+            if all(count == widest for count in counts):
+                return _device(received.reshape(-1))
+            rows = backend.xp_of(received)
+            return _device(rows.concatenate([row[:count] for row, count in zip(received, counts)]))
+
+        return PendingCollective(self, "all_gather", request, send, gathered)
 
     def send(self, x, dest: int, tag: int = 0) -> None:
         """Blocking send of x to rank dest of this communicator."""
@@ -354,22 +379,23 @@ class Comm:
             return self.mpi.allgather(obj)
 
 
-class PendingAllReduce:
-    """A started all-reduce (Comm.iall_reduce): `test()` drives MPI's progress and says whether it is
-    done; `wait()` blocks under the watchdog, like any collective, and returns the summed array."""
+class PendingCollective:
+    """A started collective (Comm.iall_reduce, Comm.iall_gather): `test()` drives MPI's progress and
+    says whether it is done; `wait()` blocks under the watchdog, like any collective, and returns the
+    result (`finish()`: the received buffer as the blocking call would return it)."""
 
-    def __init__(self, comm: Comm, request, send, received):
+    def __init__(self, comm: Comm, op: str, request, send, finish):
         # the send buffer is kept alive until the request completes: MPI reads it meanwhile
-        self.comm, self.request, self.send, self.received = comm, request, send, received
+        self.comm, self.op, self.request, self.send, self.finish = comm, op, request, send, finish
 
     def test(self) -> bool:
         return bool(self.request.Test())
 
     def wait(self):
-        with self.comm.watch("all_reduce (non-blocking)"):
+        with self.comm.watch(f"{self.op} (non-blocking)"):
             self.request.Wait()
         self.send = None
-        return _device(self.received)
+        return self.finish()
 
 
 class ProcessGrid:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from minipar.core.backend import xp_of
 from minipar.core.hooks import RemovableHandle
 from minipar.core.module import Parameter
-from minipar.dist.comm import PendingAllReduce
+from minipar.dist.comm import PendingCollective
 from minipar.memory.offload import MiB
 from minipar.parallel.api import LocalUpdater
 from minipar.parallel.flat_units import check_replicas_identical, unflatten
@@ -91,7 +91,7 @@ class DistributedDataParallel(LocalUpdater):
         # the 16-bit ring is a sequence of blocking sendrecvs: nothing to start early
         self.overlap = overlap and all_reduce is None
         self.hooks: list[RemovableHandle] = []  # removing them detaches the overlap
-        self.in_flight: dict[int, PendingAllReduce] = {}  # bucket index -> its all-reduce, started
+        self.in_flight: dict[int, PendingCollective] = {}  # bucket index -> its all-reduce, started
         self.started_in_backward = 0  # buckets of the last step whose all-reduce backward started
         if self.overlap:
             self.hook_units(microbatches)

@@ -101,7 +101,9 @@ def build_updater(cfg, grid, model, scaler=None):
     if chunked(cfg):
         return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # parallel/zero_chunked.py
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
-        stage = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}[cfg.zero]
+        if cfg.zero == 3:  # prefetching the next unit's parameters unless --no-overlap
+            return ZeroStage3(model, optimizer_of([]), grid.dp_cp, prefetch=not cfg.no_overlap)
+        stage = {1: ZeroStage1, 2: ZeroStage2}[cfg.zero]
         return stage(model, optimizer_of([]), grid.dp_cp)
     if cfg.zero == 0 and grid.dp_cp.size > 1:
         optimizer = optimizer_of(model.parameters())

@@ -93,7 +93,8 @@ class TrainConfig:
     d_model: int = option(64, "width of the residual stream (GPT) or of the hidden layers (MLP)")
     bucket_mb: float = option(0.25, "DDP gradient bucket size")
     no_overlap: bool = option(False, "DDP sums each bucket blocking at the step, instead of starting its "
-                              "all-reduce in backward as soon as it is ready (parallel/ddp.py)")
+                              "all-reduce in backward as soon as it is ready (parallel/ddp.py), and "
+                              "ZeRO-3 gathers each unit when it needs it, without prefetching the next")
     recompute: str = option("none", "activations recomputed in backward instead of kept: the attention "
                             "cores (selective) or whole blocks (full)", RECOMPUTE_MODES,
                             single_process="none")

@@ -11,9 +11,12 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_harness import at_world_size, mpi_given, mpi_test
 
+from minipar.core.shards import padded_numel
 from minipar.dist import watchdog
 from minipar.dist.comm import Comm
+from minipar.memory.ledger import buffer_meter
 from minipar.parallel.ddp import DistributedDataParallel
+from minipar.trainer import build
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.tasks import local_slice
@@ -134,3 +137,52 @@ def test_a_gradient_that_grows_after_its_bucket_started_is_still_summed_whole(co
         summed[no_overlap] = {name: p.grad.copy() for name, p in engine.model.named_parameters()}
     for name, want in summed[True].items():
         np.testing.assert_allclose(summed[False][name], want, rtol=1e-12, atol=1e-15, err_msg=name)
+
+
+# ---- ZeRO-3's prefetch ----
+
+
+def unit_sizes(cfg) -> list[int]:
+    """Parameters per unit of the full model, counted on a model ZeRO never touched."""
+    model = build.build_model(cfg.replace(dp=1, zero=0), None)
+    return [sum(p.size for p in module.parameters()) for _, module in model.units()]
+
+
+@mpi_test
+def test_zero3_prefetch_sends_the_same_bytes_and_holds_the_previous_unit_beside_the_current(comm):
+    n = comm.size
+    runs = {}
+    for no_overlap in (False, True):
+        cfg = tiny(dp=n, zero=3, batch_size=2 * n, microbatches=2, steps=2, no_overlap=no_overlap)
+        trainer = train.Trainer(cfg, comm.mpi)
+        runs[no_overlap] = trainer.run()
+        assert trainer.engine.updater.prefetch is not no_overlap and not trainer.engine.updater.prefetched
+    for prefetched, plain in zip(runs[False], runs[True]):
+        assert prefetched["comm"] == plain["comm"]  # every prefetched gather is used: no extra bytes
+    pad = [padded_numel(s, n) for s in unit_sizes(cfg)]
+    sizes = unit_sizes(cfg)
+    # the peak is at a unit's reduce-scatter in backward: its gradients, their padded flat copy, its
+    # gathered parameters, and those of the unit before it, whose gather its backward started
+    # (the first unit's gradients are sent at the step, with nothing else whole)
+    held = [sizes[0] + 2 * pad[0]] + [sizes[i] + 2 * pad[i] + pad[i - 1] for i in range(1, len(sizes))]
+    assert runs[False][0]["mem"]["buffers_peak"] == 8 * max(held)
+    assert buffer_meter.current == 0
+
+
+@mpi_given(max_examples=2,
+           examples=[at_world_size((2, 4), model="gpt", microbatches=2, recompute="full", seed=3)],
+           model=st.sampled_from(["gpt", "mlp"]),
+           microbatches=st.integers(1, 3),
+           recompute=st.sampled_from(["none", "full"]),
+           seed=st.integers(0, 2**16))
+def test_zero3_with_prefetch_trains_to_the_single_process_result(comm, model, microbatches, recompute, seed):
+    cfg = tiny(model=model, dp=comm.size, zero=3, batch_size=comm.size * microbatches,
+               microbatches=microbatches, recompute=recompute, seed=seed, steps=3)
+    trainer = train.Trainer(cfg, comm.mpi)
+    records = trainer.run()
+    full = trainer.full_state()
+    if comm.rank == 0:
+        losses, reference = train.reference_run(cfg)
+        np.testing.assert_allclose([r["loss"] for r in records], losses, rtol=1e-9, atol=0)
+        for name, (_, want) in reference.items():
+            np.testing.assert_allclose(full[name], want, rtol=1e-9, atol=1e-12, err_msg=name)
