@@ -328,6 +328,13 @@ class Comm:
         self.ledger.charge(self.name, "send", send.nbytes, link=self.link_to(dest))
         return _device(received)
 
+    def irecv(self, shape, dtype, source: int, tag: int = 0) -> PendingCollective:
+        """Post a receive of an array of the given shape and dtype from rank source, without waiting
+        (a pipeline posts the next one while it computes); `wait()` gives the array. Free, as recv."""
+        buffer = _receive_buffer(shape, dtype)
+        request = self.mpi.Irecv(buffer, source=source, tag=tag)
+        return PendingCollective(self, f"recv from rank {source}", request, None, lambda: _device(buffer))
+
     def recv(self, shape, dtype, source: int, tag: int = 0):
         """Blocking receive of an array of the given shape and dtype from rank source."""
         buffer = _receive_buffer(shape, dtype)
@@ -392,7 +399,7 @@ class PendingCollective:
         return bool(self.request.Test())
 
     def wait(self):
-        with self.comm.watch(f"{self.op} (non-blocking)"):
+        with self.comm.watch(self.op):  # named as the blocking call is: the watchdog line reads the same
             self.request.Wait()
         self.send = None
         return self.finish()

@@ -82,7 +82,8 @@ def build_runner(cfg, grid, model):
     if cfg.pp > 1:
         runner = pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model,
                                          cfg.dtype, cfg.virtual_stages,
-                                         sequence_pieces=cfg.tp if cfg.sp else 1)
+                                         sequence_pieces=cfg.tp if cfg.sp else 1,
+                                         early_receives=not cfg.no_overlap)
     else:
         runner = MicrobatchRunner(model, cfg.microbatches)
     if cfg.cp > 1:

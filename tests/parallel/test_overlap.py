@@ -45,7 +45,7 @@ def test_a_non_blocking_all_reduce_is_charged_at_once_and_its_wait_is_watched():
     pending.request = Spy()
     before = comm.ledger.step_wait_s
     np.testing.assert_array_equal(pending.wait(), np.arange(4.0))
-    assert seen[0] is not None and seen[0][:2] == ("all_reduce (non-blocking)", "dp")
+    assert seen[0] is not None and seen[0][:2] == ("all_reduce", "dp")
     assert watchdog.WATCHDOG.current is None
     assert comm.ledger.step_wait_s > before
     # one rank sends nothing, but the call is counted as an all-reduce like the blocking one
