@@ -156,6 +156,7 @@ class PipelineRunner(Runner):
         self.stage, self.comm = stage, comm
         self.early_receives = early_receives
         self.posted: dict[tuple, PendingCollective] = {}  # (source, tag) -> a receive posted early
+        self.received_early = 0  # this step's messages that arrived into a receive posted early
         self.stages, self.rank = comm.size, comm.rank
         schedule_table = build_schedule(schedule, self.stages, microbatches, virtual_stages)
         self.microbatches = check_schedule(schedule_table)  # naive runs one, whatever was asked
@@ -196,6 +197,7 @@ class PipelineRunner(Runner):
         xs = np.array_split(inputs, self.microbatches)
         ys = np.array_split(targets, self.microbatches)
         self.in_flight, self.deferred, self.pending_sends, self.loss_sum = {}, {}, [], 0.0
+        self.received_early = 0
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
         self.comm.barrier()  # every stage's clock starts together, so the makespan is common
         started = time.perf_counter()
@@ -269,6 +271,7 @@ class PipelineRunner(Runner):
         if posted is None:
             return self.comm.recv(shape, self.dtype, source, tag=tag)
         received = posted.wait()
+        self.received_early += 1
         if received.shape != tuple(shape):
             raise RuntimeError(f"a receive posted early expected {received.shape}, the action {tuple(shape)}")
         return received

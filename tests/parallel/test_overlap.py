@@ -186,3 +186,34 @@ def test_zero3_with_prefetch_trains_to_the_single_process_result(comm, model, mi
         np.testing.assert_allclose([r["loss"] for r in records], losses, rtol=1e-9, atol=0)
         for name, (_, want) in reference.items():
             np.testing.assert_allclose(full[name], want, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+# ---- pipeline receives posted early ----
+
+
+@mpi_given(max_examples=2,
+           examples=[at_world_size((2, 4), schedule="1f1b", microbatches=3, seed=1)],
+           schedule=st.sampled_from(["gpipe", "1f1b"]),
+           microbatches=st.integers(2, 4),
+           seed=st.integers(0, 2**16))
+def test_a_pipeline_with_receives_posted_early_trains_like_one_process_and_sends_the_same(
+        comm, schedule, microbatches, seed):
+    n = comm.size
+    runs, early = {}, {}
+    for no_overlap in (False, True):
+        cfg = tiny(pp=n, dp=1, n_layer=max(2, n - 2), schedule=schedule, microbatches=microbatches,
+                   batch_size=microbatches + 1, seed=seed, steps=2, no_overlap=no_overlap)  # uneven
+        trainer = train.Trainer(cfg, comm.mpi)
+        runs[no_overlap] = trainer.run()
+        early[no_overlap] = comm.allreduce_obj(trainer.engine.runner.received_early)
+        full = trainer.full_state()
+        if comm.rank == 0:
+            losses, reference = train.reference_run(cfg)
+            np.testing.assert_allclose([r["loss"] for r in runs[no_overlap]], losses, rtol=1e-9, atol=0)
+            for name, (_, want) in reference.items():
+                np.testing.assert_allclose(full[name], want, rtol=1e-9, atol=1e-12, err_msg=name)
+    # every message of the step (each of the n-1 boundaries is crossed by every micro-batch, forward
+    # and back), but the one each stage s > 0 receives in its first action, F of micro-batch 0
+    assert early[True] == 0 and early[False] == 2 * (n - 1) * microbatches - (n - 1)
+    for posted, plain in zip(runs[False], runs[True]):
+        assert posted["comm"] == plain["comm"]
