@@ -54,6 +54,7 @@ FLAGS = {
     "--n-head": (4, None, int),
     "--d-model": (64, None, int),
     "--bucket-mb": (0.25, None, float),
+    "--no-overlap": (False, None, SWITCH),
     "--recompute": ("none", ("none", "selective", "full"), str),
     "--fused": (False, None, SWITCH),
     "--log": (None, None, str),
