@@ -130,7 +130,7 @@ def size_row(n: int, kept: dict, grad_bytes: int) -> dict:
     for way in WAYS:
         runs = kept[way, n] or records
         row[f"{way}_tokens_per_s"] = median(runs, lambda r: r["tokens_per_s"])
-        row[f"{way}_comm_wait_s"] = median(runs, lambda r: r["comm_wait_s"])
+        row[f"{way}_comm_wait_s"] = median(runs, lambda r: r.get("comm_wait_s", 0.0))  # none at dp=1
     return row
 
 

@@ -101,8 +101,9 @@ class Trainer:
             "time_s": elapsed,
             "mem": self.memory.report(),
             "comm": {**traffic.step_report(), **traffic.step_links()},  # by_link: intra-/inter-node
-            "comm_wait_s": traffic.step_wait_s,  # blocked in MPI calls and waits (dist/comm.py's watch)
         }
+        if self.world.size > 1:  # blocked in MPI calls and waits (dist/comm.py's watch); one process never is
+            record["comm_wait_s"] = traffic.step_wait_s
         optional = {  # in the log only where the layout has them
             "pipeline": self.engine.runner.timing(),  # busy/idle time of the stages, bubble (pipeline.py)
             "offload": self.engine.updater.tier_traffic(),  # bytes device <-> cpu <-> disk (zero_chunked.py)
