@@ -3,9 +3,13 @@
 Runs `python -m minipar train` under `mpiexec -n 1` and `mpiexec -n N` (N = 2 by default) on the
 same global batch, reads the JSON-lines logs, and prints for each N: the median tokens/s over the
 steps after a warm-up, the speed-up over N = 1, and rank 0's bytes sent per step beside the ring
-all-reduce's 2(N-1)/N x gradient bytes. To show where the missing speed-up goes it also times one
-process on a single replica's share of the batch (B/N): the speed-up that computing alone allows;
-and one all-reduce of the whole gradient on its own: what the communication costs.
+all-reduce's 2(N-1)/N x gradient bytes. Each N > 1 runs three ways, alternating: DDP's all-reduces
+overlapping backward with progress polled from its hooks (the default), the same with MPICH's
+progress thread (MPIR_CVAR_ASYNC_PROGRESS=1), and blocking at the step (--no-overlap); with the
+median time each step waited on communication (the log's comm_wait_s). To show where the missing
+speed-up goes it also times the ceiling: N independent processes at once, each on B/N samples (what
+N ranks reach when they share the machine but never wait for each other), and one all-reduce of the
+whole gradient on its own: what the communication costs.
 Lesson: lessons/03_data_parallel.md.
 
     python -m minipar bench dp [--sizes 1 2] [--steps 20] [--warmup 3] [--repeats 3] [--json] [train options]
@@ -22,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from minipar.bench.table import right_aligned
-from minipar.bench.timing import median, median_seconds, run_mpi, run_train
+from minipar.bench.timing import median, median_seconds, run_mpi, run_train, run_train_concurrently
 from minipar.core.nn import GPT, MLPNet
 from minipar.trainer.arguments import parse_train_args
 from minipar.trainer.build import model_config
@@ -72,49 +76,73 @@ def gradient_bytes(train_args: list[str]) -> int:
     return sum(p.data.nbytes for p in model.parameters())
 
 
+ASYNC_PROGRESS = {"MPIR_CVAR_ASYNC_PROGRESS": "1"}  # MPICH: a thread per rank drives MPI's progress
+WAYS = {  # how DDP's all-reduces run: (extra train arguments, extra environment)
+    "overlap": ([], {}),
+    "async": ([], ASYNC_PROGRESS),
+    "blocking": (["--no-overlap"], {}),
+}
+
+
 def measure(sizes: list[int], steps: int, warmup: int, repeats: int, train_args: list[str]) -> dict:
     args = [*train_args, "--steps", str(steps)]
     batch = parse_train_args(args).batch_size
     grad_bytes = gradient_bytes(args)
     # the records after warm-up of every repeat, and the all-reduce probe's times
-    kept = {(kind, n): [] for kind in ("dp", "share", "all_reduce") for n in sizes}
+    kept: dict[tuple, list] = {(kind, n): [] for kind in (*WAYS, "ceiling", "all_reduce") for n in sizes}
     with tempfile.TemporaryDirectory() as folder:
-        for _ in range(repeats):  # interleaved, so that a change in the machine's load hits every size alike
+        for _ in range(repeats):  # interleaved, so that a change in the machine's load hits every run alike
             for n in sizes:
-                kept["dp", n] += run_train(n, args, Path(folder) / "dp.jsonl")[warmup:]
+                for way, (extra_args, extra_env) in WAYS.items() if n > 1 else [("overlap", ([], {}))]:
+                    log = Path(folder) / f"{way}.jsonl"
+                    kept[way, n] += run_train(n, [*args, *extra_args], log, extra_env)[warmup:]
                 if n > 1:
                     share = [*args, "--batch-size", str(batch // n)]
-                    kept["share", n] += run_train(1, share, Path(folder) / "share.jsonl")[warmup:]
+                    for records in run_train_concurrently(n, share, Path(folder)):
+                        kept["ceiling", n] += records[warmup:]
                     probe = ["-m", "minipar.bench.dp", "--all-reduce-seconds", str(grad_bytes)]
                     kept["all_reduce", n].append(float(run_mpi(n, probe)))
-    rows = []
-    for n in sizes:
-        records, share = kept["dp", n], kept["share", n] or kept["dp", n]
-        rows.append({
-            "dp": n,
-            "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
-            "step_s": median(records, lambda r: r["time_s"]),
-            "share_step_s": median(share, lambda r: r["time_s"]),
-            "all_reduce_s": median(kept["all_reduce", n]) if n > 1 else 0.0,
-            "sent_bytes_per_step": int(median(records, lambda r: r["comm"]["sent_bytes"])),
-            "messages_per_step": int(median(records, lambda r: r["comm"]["messages"])),
-            "ring_formula_bytes": 2 * (n - 1) * grad_bytes / n,
-        })
+    rows = [size_row(n, kept, grad_bytes) for n in sizes]
     base = rows[0]
     for row in rows:
-        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
-        row["compute_only_speedup"] = base["step_s"] / row["share_step_s"]
+        for way in WAYS:
+            row[f"{way}_speedup"] = row[f"{way}_tokens_per_s"] / base["tokens_per_s"]
+        row["speedup"] = row["overlap_speedup"]
+        row["ceiling_speedup"] = base["step_s"] / row["ceiling_step_s"]
         row["buckets"] = row["messages_per_step"] // (2 * (row["dp"] - 1)) if row["dp"] > 1 else 0
     return {"train_args": args, "global_batch": batch, "gradient_bytes": grad_bytes, "repeats": repeats,
             "rows": rows}
 
 
+def size_row(n: int, kept: dict, grad_bytes: int) -> dict:
+    """The medians of one data-parallel size; at N = 1 every way is the one plain run."""
+    records = kept["overlap", n]
+    row = {
+        "dp": n,
+        "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
+        "step_s": median(records, lambda r: r["time_s"]),
+        "ceiling_step_s": median(kept["ceiling", n] or records, lambda r: r["time_s"]),
+        "all_reduce_s": median(kept["all_reduce", n]) if n > 1 else 0.0,
+        "sent_bytes_per_step": int(median(records, lambda r: r["comm"]["sent_bytes"])),
+        "messages_per_step": int(median(records, lambda r: r["comm"]["messages"])),
+        "ring_formula_bytes": 2 * (n - 1) * grad_bytes / n,
+    }
+    for way in WAYS:
+        runs = kept[way, n] or records
+        row[f"{way}_tokens_per_s"] = median(runs, lambda r: r["tokens_per_s"])
+        row[f"{way}_comm_wait_s"] = median(runs, lambda r: r.get("comm_wait_s", 0.0))  # none at dp=1
+    return row
+
+
 COLUMNS = [  # (header, how to show a row's figure)
     ("dp", lambda r: r["dp"]),
     ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
-    ("speed-up", lambda r: f"{r['speedup']:.2f}x"),
-    ("compute-only", lambda r: f"{r['compute_only_speedup']:.2f}x"),
+    ("overlap", lambda r: f"{r['overlap_speedup']:.2f}x"),
+    ("async", lambda r: f"{r['async_speedup']:.2f}x"),
+    ("blocking", lambda r: f"{r['blocking_speedup']:.2f}x"),
+    ("ceiling", lambda r: f"{r['ceiling_speedup']:.2f}x"),
     ("step ms", lambda r: f"{r['step_s'] * 1e3:.1f}"),
+    ("wait ms o/a/b", lambda r: "/".join(f"{r[f'{way}_comm_wait_s'] * 1e3:.1f}" for way in WAYS)),
     ("all-reduce G ms", lambda r: f"{r['all_reduce_s'] * 1e3:.2f}"),
     ("sent B/step", lambda r: r["sent_bytes_per_step"]),
     ("2(N-1)/N*grad B", lambda r: f"{r['ring_formula_bytes']:.0f}"),
@@ -130,7 +158,13 @@ def render(figures: dict, warmup: int) -> str:
          f"interleaved runs of each, after {warmup} warm-up steps",
          f"gradient bytes {figures['gradient_bytes']}"]
         + right_aligned(figures["rows"], COLUMNS)
-        + ["compute-only: the speed-up if each rank only computed (one process timed on B/dp samples)",
+        + ["speed-ups over dp=1 of DDP's three ways: overlap (all-reduces start in backward, progress "
+           "polled from its hooks),",
+           "  async (the same, with MPICH's progress thread: MPIR_CVAR_ASYNC_PROGRESS=1), blocking "
+           "(--no-overlap: every bucket at the step)",
+           "ceiling: dp independent processes at once, each on B/dp samples (no waiting on each other)",
+           "wait ms o/a/b: the median comm_wait_s of a step (time blocked in MPI), overlap/async/blocking",
+           "tokens/s, step ms, sent, messages: the overlap runs",
            "all-reduce G: one all-reduce of the whole gradient alone (a separate run, median of 20)"])
 
 

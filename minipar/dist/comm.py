@@ -37,6 +37,7 @@ synchronisation, or the device arrays themselves when MPI is CUDA-aware (lessons
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -93,6 +94,7 @@ class TrafficLedger:
         self._total_bytes: Counter[tuple[str, str]] = Counter()  # (dim, op) -> bytes sent since the start
         self._total_messages: Counter[tuple[str, str]] = Counter()
         self._total_links: Counter[tuple[str, str]] = Counter()  # (dim, link) -> bytes sent
+        self.total_wait_s = 0.0  # seconds this rank spent inside watched MPI waits, since the start
         self.start_step()
 
     def charge(self, dim: str, op: str, nbytes: int, messages: int = 1, link: str = "intra") -> None:
@@ -108,6 +110,13 @@ class TrafficLedger:
         self._step_bytes: Counter[tuple[str, str]] = Counter()
         self._step_messages: Counter[tuple[str, str]] = Counter()
         self._step_links: Counter[tuple[str, str]] = Counter()
+        self.step_wait_s = 0.0  # the same, in this step window: the log's comm_wait_s
+
+    def add_wait(self, seconds: float) -> None:
+        """Time spent blocked in one MPI call or wait (a blocking collective counts whole; a
+        non-blocking one only from its wait): what overlapping communication with computation hides."""
+        self.step_wait_s += seconds
+        self.total_wait_s += seconds
 
     def step_report(self) -> dict:
         return _report(self._step_bytes, self._step_messages)
@@ -256,6 +265,42 @@ class Comm:
                            link=self.link_to(self.successor))
         return _device(buffer)
 
+    def iall_reduce(self, x, op: str = "sum") -> PendingCollective:
+        """Start an all-reduce of x without waiting: charged now, like all_reduce (same bytes, same
+        messages); `wait()` on the result gives the array. MPI moves the data only inside MPI calls
+        (unless MPICH's progress thread runs: MPIR_CVAR_ASYNC_PROGRESS=1), so whoever computes
+        meanwhile calls `test()` now and then (DDP does, from its backward hooks)."""
+        send = _send_buffer(x)
+        received = _receive_buffer(send.shape, send.dtype)
+        request = self.mpi.Iallreduce(send, received, op=REDUCE_OPS[op])
+        self._charge_ring("all_reduce", shard_sizes(send.size, self.size), send.itemsize)
+        return PendingCollective(self, "all_reduce", request, send, lambda: _device(received))
+
+    def iall_gather(self, shard, numel: int) -> PendingCollective:
+        """Start all_gather(shard, numel) without waiting (ZeRO-3's prefetch): charged now, like
+        all_gather; `wait()` on the result gives the flat concatenation."""
+        counts = shard_sizes(numel, self.size)
+        flat = shard.reshape(-1)
+        if counts[self.rank] != flat.size:
+            raise ValueError(f"rank {self.rank} holds {flat.size} elements, but shard_bounds({numel}, "
+                             f"{self.size}, {self.rank}) says {counts[self.rank]}")
+        widest = max(counts)
+        xp = backend.xp_of(flat)
+        if flat.size != widest:  # padded as all_gather pads
+            flat = xp.concatenate([flat, xp.zeros(widest - flat.size, flat.dtype)])
+        send = _send_buffer(flat)
+        received = _receive_buffer((self.size, widest), send.dtype)
+        request = self.mpi.Iallgather(send, received)
+        self._charge_ring("all_gather", counts, send.itemsize)
+
+        def gathered():
+            if all(count == widest for count in counts):
+                return _device(received.reshape(-1))
+            rows = backend.xp_of(received)
+            return _device(rows.concatenate([row[:count] for row, count in zip(received, counts)]))
+
+        return PendingCollective(self, "all_gather", request, send, gathered)
+
     def send(self, x, dest: int, tag: int = 0) -> None:
         """Blocking send of x to rank dest of this communicator."""
         buffer = _send_buffer(x)
@@ -283,6 +328,13 @@ class Comm:
         self.ledger.charge(self.name, "send", send.nbytes, link=self.link_to(dest))
         return _device(received)
 
+    def irecv(self, shape, dtype, source: int, tag: int = 0) -> PendingCollective:
+        """Post a receive of an array of the given shape and dtype from rank source, without waiting
+        (a pipeline posts the next one while it computes); `wait()` gives the array. Free, as recv."""
+        buffer = _receive_buffer(shape, dtype)
+        request = self.mpi.Irecv(buffer, source=source, tag=tag)
+        return PendingCollective(self, f"recv from rank {source}", request, None, lambda: _device(buffer))
+
     def recv(self, shape, dtype, source: int, tag: int = 0):
         """Blocking receive of an array of the given shape and dtype from rank source."""
         buffer = _receive_buffer(shape, dtype)
@@ -294,9 +346,16 @@ class Comm:
         with self.watch("barrier"):
             self.mpi.Barrier()
 
+    @contextlib.contextmanager
     def watch(self, op: str):
-        """The context of one blocking call on this communicator, watched by the watchdog."""
-        return watching(op, self.name, self.world_ranks, MPI.COMM_WORLD.Get_rank())
+        """The context of one blocking call on this communicator, watched by the watchdog; its
+        duration is charged to the ledger's wait time."""
+        started = time.perf_counter()
+        try:
+            with watching(op, self.name, self.world_ranks, MPI.COMM_WORLD.Get_rank()):
+                yield
+        finally:
+            self.ledger.add_wait(time.perf_counter() - started)
 
     def wait(self, request, op: str) -> None:
         """Wait for a request on this communicator under the watchdog (e.g. a pipeline's isend)."""
@@ -325,6 +384,25 @@ class Comm:
     def allgather_obj(self, obj) -> list:
         with self.watch("allgather_obj"):
             return self.mpi.allgather(obj)
+
+
+class PendingCollective:
+    """A started collective (Comm.iall_reduce, Comm.iall_gather): `test()` drives MPI's progress and
+    says whether it is done; `wait()` blocks under the watchdog, like any collective, and returns the
+    result (`finish()`: the received buffer as the blocking call would return it)."""
+
+    def __init__(self, comm: Comm, op: str, request, send, finish):
+        # the send buffer is kept alive until the request completes: MPI reads it meanwhile
+        self.comm, self.op, self.request, self.send, self.finish = comm, op, request, send, finish
+
+    def test(self) -> bool:
+        return bool(self.request.Test())
+
+    def wait(self):
+        with self.comm.watch(self.op):  # named as the blocking call is: the watchdog line reads the same
+            self.request.Wait()
+        self.send = None
+        return self.finish()
 
 
 class ProcessGrid:

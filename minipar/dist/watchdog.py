@@ -18,7 +18,10 @@ A rank that is computing gets KeyboardInterrupt as usual and prints the same lin
 
 What it costs: two clock reads and a few assignments per collective (blocking MPI calls are kept:
 MPICH's non-blocking all-reduce ran 2-16x slower than its blocking one here, a polled wait was no
-option), and one thread that wakes every 0.1 s. Lesson: lessons/12_reliability.md.
+option), and one thread that wakes every 0.1 s. The non-blocking calls that overlap computation
+(DDP's bucket all-reduces, ZeRO-3's prefetch, pipeline receives posted early: comm.py's
+PendingCollective) are watched at their wait, named as their blocking call. Lesson:
+lessons/12_reliability.md.
 """
 
 from __future__ import annotations

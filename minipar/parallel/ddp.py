@@ -13,6 +13,15 @@ What it costs: memory and communication. Every rank keeps a full copy of params,
 state, and sends 2(N-1)/N x the gradient bytes per step (ring all-reduce), however many
 micro-batches it accumulates first: the all-reduce runs once, after the last one.
 
+Overlap (the default; `--no-overlap` turns it off): a bucket's all-reduce starts, non-blocking, as
+soon as backward has produced the bucket's final gradients (the full backward hooks of the model's
+units, on the last micro-batch), so the rest of backward computes while it travels; the step waits
+once for all of them. MPI makes progress only inside MPI calls, so every unit's hook also polls the
+buckets in flight (Test()); MPICH's own progress thread (MPIR_CVAR_ASYNC_PROGRESS=1) is the other
+way, measured in lesson 03. Same bytes, same messages, same sums: only the waiting changes (the log's
+`comm_wait_s`). A bucket whose gradients changed after it started (a parameter used again later) is
+summed again, blocking, at the step: exact whatever the graph.
+
 The loss each rank differentiates is already divided by the *global* count (trainer/engine.py), so the
 gradients are summed, not averaged: the sum is exactly the single-process gradient, and equals
 PyTorch's average of per-rank means when all slices are the same size.
@@ -22,7 +31,9 @@ Lesson: lessons/03_data_parallel.md.
 from __future__ import annotations
 
 from minipar.core.backend import xp_of
+from minipar.core.hooks import RemovableHandle
 from minipar.core.module import Parameter
+from minipar.dist.comm import PendingCollective
 from minipar.memory.offload import MiB
 from minipar.parallel.api import LocalUpdater
 from minipar.parallel.flat_units import check_replicas_identical, unflatten
@@ -48,6 +59,12 @@ def plan_buckets(params, bucket_bytes: int) -> list[list[Parameter]]:
     return buckets
 
 
+def named_units(model) -> list:
+    """(name, module) of the model's units in execution order (the GPT's embedding, blocks and head;
+    the MLP's layers; a pipeline stage's own): backward is done with a unit at its full backward hook."""
+    return model.units()
+
+
 def flatten(arrays):
     """One contiguous 1-D array holding the arrays one after another."""
     return xp_of(arrays[0]).concatenate([a.reshape(-1) for a in arrays])
@@ -62,7 +79,8 @@ class DistributedDataParallel(LocalUpdater):
     parallelism: each (pp, tp) position all-reduces its own parameters with its dp replicas.
     """
 
-    def __init__(self, model, optimizer, comm, bucket_mb: float, all_reduce=None):
+    def __init__(self, model, optimizer, comm, bucket_mb: float, all_reduce=None, overlap: bool = False,
+                 microbatches: int = 1):
         super().__init__(model, optimizer)
         check_replicas_identical(model, comm)
         self.comm = comm
@@ -70,10 +88,78 @@ class DistributedDataParallel(LocalUpdater):
         self.all_reduce = all_reduce or comm.all_reduce
         self.buckets = plan_buckets(model.parameters(), int(bucket_mb * MiB))
         self.names = {id(p): name for name, p in model.named_parameters()}
+        # the 16-bit ring is a sequence of blocking sendrecvs: nothing to start early
+        self.overlap = overlap and all_reduce is None
+        self.hooks: list[RemovableHandle] = []  # removing them detaches the overlap
+        self.in_flight: dict[int, PendingCollective] = {}  # bucket index -> its all-reduce, started
+        self.started_in_backward = 0  # buckets of the last step whose all-reduce backward started
+        if self.overlap:
+            self.hook_units(microbatches)
+
+    def hook_units(self, microbatches: int) -> None:
+        """A full backward hook on every unit: on the unit's `microbatches`-th backward of the step its
+        gradients are final; every bucket whose units are all final then starts its all-reduce."""
+        unit_of = {id(p): name for name, unit in named_units(self.model) for p in unit.parameters()}
+        self.bucket_units = [{unit_of.get(id(p)) for p in bucket} for bucket in self.buckets]
+        self.backwards: dict[str, int] = {}  # unit -> backwards seen this step
+        self.final: set[str | None] = set()
+        self.microbatches = microbatches
+        for name, unit in named_units(self.model):
+            self.hooks.append(unit.register_full_backward_hook(self.unit_done_hook(name)))
+
+    def unit_done_hook(self, name: str):
+        def unit_done(module):
+            self.backwards[name] = self.backwards.get(name, 0) + 1
+            if self.backwards[name] == self.microbatches:
+                self.final.add(name)
+                self.start_ready_buckets()
+            for pending in self.in_flight.values():  # progress for the buckets already travelling
+                pending.test()
+        return unit_done
+
+    def start_ready_buckets(self) -> None:
+        """Start the all-reduce of every bucket not yet started whose units are all final, in bucket
+        order (the same on every replica: the graph does not depend on the data). The gradients are
+        dropped once flattened, as in the blocking sum, so the flat copy takes their place."""
+        for index, bucket in enumerate(self.buckets):
+            if index not in self.in_flight and self.bucket_units[index] <= self.final:
+                flat = flatten(self.gradients_of(bucket))
+                for p in bucket:
+                    p.grad = None
+                self.in_flight[index] = self.comm.iall_reduce(flat)
 
     def step(self):
-        self.all_reduce_gradients()
+        if self.overlap:
+            self.finish_overlapped()
+        else:
+            self.all_reduce_gradients()
         super().step()
+
+    def gradients_of(self, bucket) -> list:
+        missing = [p for p in bucket if p.grad is None]
+        if missing:  # the same on every replica: the graph does not depend on the data
+            raise RuntimeError("DistributedDataParallel needs a gradient for every parameter, and "
+                               f"{self.names[id(missing[0])]} got none this step")
+        return [p.grad for p in bucket]
+
+    def finish_overlapped(self) -> None:
+        """Wait once for the buckets in flight; sum the rest (units no hook caught, such as the first,
+        whose input needs no gradient) now, blocking."""
+        self.started_in_backward = len(self.in_flight)
+        for index, bucket in enumerate(self.buckets):
+            pending = self.in_flight.pop(index, None)
+            if pending is None:
+                self.all_reduce_bucket(bucket)
+                continue
+            summed = pending.wait()
+            if any(p.grad is not None for p in bucket):  # a gradient grew after the start: add its sum
+                late = [p.grad if p.grad is not None else xp_of(summed).zeros(p.shape, summed.dtype)
+                        for p in bucket]
+                summed = summed + self.all_reduce(flatten(late))
+            for p, grad in zip(bucket, unflatten(summed, [p.shape for p in bucket])):
+                p.grad = grad
+        self.backwards.clear()
+        self.final.clear()
 
     def all_reduce_gradients(self):
         """Replace every gradient by its sum over the replicas, one all-reduce per bucket.
@@ -83,18 +169,18 @@ class DistributedDataParallel(LocalUpdater):
         bucket's worth of extra memory is ever held.
         """
         for bucket in self.buckets:
-            missing = [p for p in bucket if p.grad is None]
-            if missing:  # the same on every replica: the graph does not depend on the data
-                raise RuntimeError("DistributedDataParallel needs a gradient for every parameter, and "
-                                   f"{self.names[id(missing[0])]} got none this step")
-            shapes = [p.shape for p in bucket]  # each gradient has its parameter's shape
-            flat = flatten([p.grad for p in bucket])
-            for p in bucket:
-                p.grad = None
-            for p, grad in zip(bucket, unflatten(self.all_reduce(flat), shapes)):
-                p.grad = grad
+            self.all_reduce_bucket(bucket)
+
+    def all_reduce_bucket(self, bucket) -> None:
+        shapes = [p.shape for p in bucket]  # each gradient has its parameter's shape
+        flat = flatten(self.gradients_of(bucket))
+        for p in bucket:
+            p.grad = None
+        for p, grad in zip(bucket, unflatten(self.all_reduce(flat), shapes)):
+            p.grad = grad
 
     def memory(self) -> dict:
-        """LocalUpdater's bytes, plus the one flat bucket copy alive during the all-reduce."""
-        largest_bucket = max((sum(p.data.nbytes for p in b) for b in self.buckets), default=0)
-        return {**super().memory(), "buffers": largest_bucket}
+        """LocalUpdater's bytes, plus the flat bucket copies alive during the all-reduces: the largest
+        one when blocking, every one when they overlap backward (all may be in flight at the step)."""
+        sizes = [sum(p.data.nbytes for p in b) for b in self.buckets]
+        return {**super().memory(), "buffers": sum(sizes) if self.overlap else max(sizes, default=0)}

@@ -37,6 +37,8 @@ from minipar.parallel.schedules import Action, build_schedule, check_schedule, s
 if TYPE_CHECKING:  # only for annotations: the pipeline talks to MPI through Comm
     from mpi4py import MPI
 
+    from minipar.dist.comm import PendingCollective
+
 
 def unit_cost(unit: Module) -> int:
     """The balancing cost of a unit: its parameter count, on full (unsharded) shapes.
@@ -144,12 +146,17 @@ class PipelineRunner(Runner):
     rank (v-1) mod K and sends to (v+1) mod K, each message tagged by its micro-batch and boundary. With
     the backward split (ZB-H1), B sends the input gradient on and leaves the weight gradients, and the
     gradient hooks waiting for them, to W. `timing()` is the measured busy and idle time of the last
-    step, gathered over stages.
+    step, gathered over stages. With `early_receives` (unless --no-overlap) the receive an action
+    needs is posted (Irecv) as the action before it begins, so the message lands in its buffer while
+    this stage computes, and the action only waits for what has not yet arrived.
     """
 
     def __init__(self, stage: PipelineStage, comm, schedule: str, microbatches: int, width: int, dtype,
-                 virtual_stages: int = 1, sequence_pieces: int = 1):
+                 virtual_stages: int = 1, sequence_pieces: int = 1, early_receives: bool = False):
         self.stage, self.comm = stage, comm
+        self.early_receives = early_receives
+        self.posted: dict[tuple, PendingCollective] = {}  # (source, tag) -> a receive posted early
+        self.received_early = 0  # this step's messages that arrived into a receive posted early
         self.stages, self.rank = comm.size, comm.rank
         schedule_table = build_schedule(schedule, self.stages, microbatches, virtual_stages)
         self.microbatches = check_schedule(schedule_table)  # naive runs one, whatever was asked
@@ -190,10 +197,13 @@ class PipelineRunner(Runner):
         xs = np.array_split(inputs, self.microbatches)
         ys = np.array_split(targets, self.microbatches)
         self.in_flight, self.deferred, self.pending_sends, self.loss_sum = {}, {}, [], 0.0
+        self.received_early = 0
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
         self.comm.barrier()  # every stage's clock starts together, so the makespan is common
         started = time.perf_counter()
-        for action in self.actions:
+        for k, action in enumerate(self.actions):
+            if self.early_receives and k + 1 < len(self.actions):
+                self.post_receive(self.actions[k + 1], xs)
             if action.op == "F":
                 self.forward(action, xs[action.microbatch], ys[action.microbatch], normaliser)
             elif action.op == "B":
@@ -211,8 +221,8 @@ class PipelineRunner(Runner):
         if v == 0:
             stage_input = be.from_host(x)
         else:
-            received = self.comm.recv(self.activation_shape(x), self.dtype, (v - 1) % self.stages,
-                                      tag=self.tag(i, v - 1, backward=False))
+            received = self.receive(self.activation_shape(x), (v - 1) % self.stages,
+                                    self.tag(i, v - 1, backward=False))
             stage_input = Tensor(received, requires_grad=True)
         with self.computing("F"):
             output = self.stage(stage_input, chunk=action.chunk or 0)
@@ -228,8 +238,7 @@ class PipelineRunner(Runner):
         stage_input, output = self.in_flight.pop((i, action.chunk))
         grad = None
         if v != self.stages * self.virtual_stages - 1:
-            grad = self.comm.recv(output.shape, self.dtype, (v + 1) % self.stages,
-                                  tag=self.tag(i, v, backward=True))
+            grad = self.receive(output.shape, (v + 1) % self.stages, self.tag(i, v, backward=True))
         with self.computing("B"):
             if self.split_backward:  # the input gradient now; the weights' gradients wait for W
                 deferred: list = []
@@ -239,6 +248,33 @@ class PipelineRunner(Runner):
                 output.backward(grad)
         if v != 0:
             self.send(stage_input.grad, (v - 1) % self.stages, tag=self.tag(i, v - 1, backward=True))
+
+    def receive_of(self, action: Action, xs) -> tuple | None:
+        """(shape, source, tag) of the message `action` receives, or None: F receives the previous
+        virtual stage's activations, B the next one's gradient of them (the same shape)."""
+        i, v = action.microbatch, self.virtual(action)
+        if action.op == "F" and v != 0:
+            return self.activation_shape(xs[i]), (v - 1) % self.stages, self.tag(i, v - 1, backward=False)
+        if action.op == "B" and v != self.stages * self.virtual_stages - 1:
+            return self.activation_shape(xs[i]), (v + 1) % self.stages, self.tag(i, v, backward=True)
+        return None
+
+    def post_receive(self, action: Action, xs) -> None:
+        wanted = self.receive_of(action, xs)
+        if wanted is not None:
+            shape, source, tag = wanted
+            self.posted[source, tag] = self.comm.irecv(shape, self.dtype, source, tag=tag)
+
+    def receive(self, shape, source: int, tag: int):
+        """The message from `source` with `tag`: the receive posted early, waited for, or a plain one."""
+        posted = self.posted.pop((source, tag), None)
+        if posted is None:
+            return self.comm.recv(shape, self.dtype, source, tag=tag)
+        received = posted.wait()
+        self.received_early += 1
+        if received.shape != tuple(shape):
+            raise RuntimeError(f"a receive posted early expected {received.shape}, the action {tuple(shape)}")
+        return received
 
     def weight_gradients(self, action: Action):
         """W: the weight gradients B left, in B's order, each module's backward hooks after its own."""

@@ -100,7 +100,8 @@ def build_runner(cfg, grid, model):
     if cfg.pp > 1:
         runner = pipeline.PipelineRunner(model, grid.pp, cfg.schedule, cfg.microbatches, cfg.d_model,
                                          cfg.dtype, cfg.virtual_stages,
-                                         sequence_pieces=cfg.tp if cfg.sp else 1)
+                                         sequence_pieces=cfg.tp if cfg.sp else 1,
+                                         early_receives=not cfg.no_overlap)
     else:
         runner = MicrobatchRunner(model, cfg.microbatches)
     if cfg.cp > 1:
@@ -124,12 +125,15 @@ def build_updater(cfg, grid, model, scaler=None):
             return experts.ExpertParallelZero1(model, optimizer_of, grid.dp, groups)
         return experts.ExpertParallelUpdater(model, optimizer_of(model.parameters()), grid.dp, groups)
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
-        stage = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}[cfg.zero]
+        if cfg.zero == 3:  # prefetching the next unit's parameters unless --no-overlap
+            return ZeroStage3(model, optimizer_of([]), grid.dp_cp, prefetch=not cfg.no_overlap)
+        stage = {1: ZeroStage1, 2: ZeroStage2}[cfg.zero]
         return stage(model, optimizer_of([]), grid.dp_cp)
     if cfg.zero == 0 and grid.dp_cp.size > 1:
         optimizer = optimizer_of(model.parameters())
         return DistributedDataParallel(model, optimizer, grid.dp_cp, cfg.bucket_mb,
-                                       mixed_precision.gradient_all_reduce(cfg.precision, grid.dp_cp))
+                                       mixed_precision.gradient_all_reduce(cfg.precision, grid.dp_cp),
+                                       overlap=not cfg.no_overlap, microbatches=cfg.microbatches)
     return LocalUpdater(model, optimizer_of(model.parameters()))
 
 

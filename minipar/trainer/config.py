@@ -99,6 +99,9 @@ class TrainConfig:
     ep: int = option(1, "--model moe: expert parallelism, the experts split over blocks of ep dp ranks "
                      "(parallel/experts.py)", single_process=1)
     bucket_mb: float = option(0.25, "DDP gradient bucket size")
+    no_overlap: bool = option(False, "DDP sums each bucket blocking at the step, instead of starting its "
+                              "all-reduce in backward as soon as it is ready (parallel/ddp.py), and "
+                              "ZeRO-3 gathers each unit when it needs it, without prefetching the next")
     recompute: str = option("none", "activations recomputed in backward instead of kept: the attention "
                             "cores (selective) or whole blocks (full)", RECOMPUTE_MODES,
                             single_process="none")

@@ -102,6 +102,8 @@ class Trainer:
             "mem": self.memory.report(),
             "comm": {**traffic.step_report(), **traffic.step_links()},  # by_link: intra-/inter-node
         }
+        if self.world.size > 1:  # blocked in MPI calls and waits (dist/comm.py's watch); one process never is
+            record["comm_wait_s"] = traffic.step_wait_s
         optional = {  # in the log only where the layout has them
             "pipeline": self.engine.runner.timing(),  # busy/idle time of the stages, bubble (pipeline.py)
             "offload": self.engine.updater.tier_traffic(),  # bytes device <-> cpu <-> disk (zero_chunked.py)

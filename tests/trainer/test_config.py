@@ -59,6 +59,7 @@ FLAGS = {
     "--aux-loss-coef": (0.01, None, float),
     "--ep": (1, None, int),
     "--bucket-mb": (0.25, None, float),
+    "--no-overlap": (False, None, SWITCH),
     "--recompute": ("none", ("none", "selective", "full"), str),
     "--fused": (False, None, SWITCH),
     "--log": (None, None, str),
