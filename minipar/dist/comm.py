@@ -176,6 +176,11 @@ def node_local_rank(mpi_comm) -> int:
     return rank
 
 
+# Communicators that ProcessGrid made for a layout, kept for the next grid of the same layout over the
+# same ranks (Comm.split's `reuse`); they live as long as the process, as COMM_WORLD does.
+_REUSED_SPLITS: dict[tuple, MPI.Comm] = {}
+
+
 class Comm:
     """An MPI communicator with a name ("world", "dp", "tp", "pp", ...) and a traffic ledger."""
 
@@ -362,10 +367,22 @@ class Comm:
         with self.watch(op):
             request.Wait()
 
-    def split(self, color: int, key: int, name: str, nodes: list[str] | None = None) -> Comm:
+    def split(self, color: int, key: int, name: str, nodes: list[str] | None = None,
+              reuse: tuple | None = None) -> Comm:
         """Sub-communicator of the ranks with the same color, ordered by key, sharing this ledger;
-        nodes: the node of each of its ranks, in its rank order (for the link split)."""
-        return Comm(self.mpi.Split(color, key), name=name, ledger=self.ledger, nodes=nodes)
+        nodes: the node of each of its ranks, in its rank order (for the link split).
+
+        reuse: a key that names this split alike on every member (ProcessGrid passes its layout). A
+        split made before under the same key, over the same ranks, is handed back instead of a new
+        one: MPI has a few thousand communicator ids per process, and a test process builds hundreds
+        of trainers. Every member makes the same call with the same key, so all of them find it or
+        all of them make it: no rank can skip a Split that another one enters."""
+        if reuse is None:
+            return Comm(self.mpi.Split(color, key), name=name, ledger=self.ledger, nodes=nodes)
+        made_before = (tuple(self.world_ranks), name, *reuse)
+        if made_before not in _REUSED_SPLITS:
+            _REUSED_SPLITS[made_before] = self.mpi.Split(color, key)
+        return Comm(_REUSED_SPLITS[made_before], name=name, ledger=self.ledger, nodes=nodes)
 
     # Uncharged control messages: small Python objects, pickled.
     def allreduce_obj(self, obj, op: str = "sum"):
@@ -429,16 +446,17 @@ class ProcessGrid:
         self.dp_rank, self.pp_rank, self.tp_rank, self.cp_rank = self.coords_of(world.rank)
         self.nodes: list[str] = world.allgather_obj(MPI.Get_processor_name())
         d, p, c, t = self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank
-        self.dp = world.split(color=(p * cp + c) * tp + t, key=d, name="dp",
+        layout = (dp, pp, cp, tp)  # the same on every rank: the grid's communicators are reused by it
+        self.dp = world.split(color=(p * cp + c) * tp + t, key=d, name="dp", reuse=layout,
                               nodes=self._nodes_of([self.rank_of(i, p, t, c) for i in range(dp)]))
-        self.pp = world.split(color=(d * cp + c) * tp + t, key=p, name="pp",
+        self.pp = world.split(color=(d * cp + c) * tp + t, key=p, name="pp", reuse=layout,
                               nodes=self._nodes_of([self.rank_of(d, i, t, c) for i in range(pp)]))
-        self.tp = world.split(color=(d * pp + p) * cp + c, key=t, name="tp",
+        self.tp = world.split(color=(d * pp + p) * cp + c, key=t, name="tp", reuse=layout,
                               nodes=self._nodes_of([self.rank_of(d, p, i, c) for i in range(tp)]))
-        self.cp = world.split(color=(d * pp + p) * tp + t, key=c, name="cp",
+        self.cp = world.split(color=(d * pp + p) * tp + t, key=c, name="cp", reuse=layout,
                               nodes=self._nodes_of([self.rank_of(d, p, t, i) for i in range(cp)]))
         self.dp_cp = self.dp if cp == 1 else world.split(
-            color=p * tp + t, key=d * cp + c, name="dp_cp",
+            color=p * tp + t, key=d * cp + c, name="dp_cp", reuse=layout,
             nodes=self._nodes_of([self.rank_of(i // cp, p, t, i % cp) for i in range(dp * cp)]))
 
     def _nodes_of(self, world_ranks: list[int]) -> list[str]:

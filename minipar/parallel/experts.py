@@ -39,9 +39,9 @@ class ExpertGroups:
     def __init__(self, grid: ProcessGrid, ep: int):
         block, place = divmod(grid.dp_rank, ep)
         nodes = grid.dp.nodes
-        self.ep: Comm = grid.dp.split(color=block, key=place, name="ep",
+        self.ep: Comm = grid.dp.split(color=block, key=place, name="ep", reuse=(ep,),
                                       nodes=None if nodes is None else nodes[block * ep:(block + 1) * ep])
-        self.edp: Comm = grid.dp.split(color=place, key=block, name="edp",
+        self.edp: Comm = grid.dp.split(color=place, key=block, name="edp", reuse=(ep,),
                                        nodes=None if nodes is None else nodes[place::ep])
 
 

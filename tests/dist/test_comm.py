@@ -382,6 +382,20 @@ def test_process_grid_for_every_factorisation(comm):
         assert f"dp={dp} pp={pp} tp={tp}" in text and len(text.splitlines()) == 2 + dp * (pp + 1)
 
 
+@mpi_test
+def test_a_layout_built_again_reuses_its_communicators(comm):
+    # MPI has about 2,048 communicator ids per process, and every Trainer builds a grid: 550 grids of
+    # 4 communicators each run out of them (as the 4-rank test process did) if each grid splits anew.
+    first = ProcessGrid(comm, dp=comm.size, pp=1, tp=1)
+    for _ in range(550):
+        again = ProcessGrid(Comm(comm.mpi), dp=comm.size, pp=1, tp=1)
+    assert again.dp.mpi is first.dp.mpi and again.tp.mpi is first.tp.mpi
+    assert again.dp.ledger is not first.dp.ledger  # each grid charges its own world's ledger
+    other = ProcessGrid(comm, dp=1, pp=1, tp=comm.size)  # another layout: its own communicators
+    assert other.dp.mpi is not first.dp.mpi and other.dp.size == 1
+    assert other.tp.allgather_obj(comm.rank) == list(range(comm.size))
+
+
 @needs_world_size(8)
 @mpi_test
 def test_process_grid_describe_table(comm):
