@@ -380,7 +380,7 @@ class Comm:
         if reuse is None:
             return Comm(self.mpi.Split(color, key), name=name, ledger=self.ledger, nodes=nodes)
         made_before = (tuple(self.world_ranks), name, *reuse)
-        if made_before not in _REUSED_SPLITS:
+        if _REUSED_SPLITS.get(made_before, MPI.COMM_NULL) == MPI.COMM_NULL:  # none yet, or freed since
             _REUSED_SPLITS[made_before] = self.mpi.Split(color, key)
         return Comm(_REUSED_SPLITS[made_before], name=name, ledger=self.ledger, nodes=nodes)
 
