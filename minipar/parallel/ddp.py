@@ -123,6 +123,11 @@ class DistributedDataParallel(LocalUpdater):
         dropped once flattened, as in the blocking sum, so the flat copy takes their place."""
         for index, bucket in enumerate(self.buckets):
             if index not in self.in_flight and self.bucket_units[index] <= self.final:
+                if any(p.grad is None for p in bucket):
+                    # A parameter used through a Function of its own (sequence parallelism's
+                    # replicated LayerNorm weights) may get its gradient after the unit's input hook:
+                    # the step sums that bucket. The graph is the same on every replica, so is this.
+                    continue
                 flat = flatten(self.gradients_of(bucket))
                 for p in bucket:
                     p.grad = None
