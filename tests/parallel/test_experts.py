@@ -179,6 +179,19 @@ def test_bad_option_exits_2_with_one_line():
         "minipar train: error: --top-k must be between 1 and --n-experts 4 (got 9)"]
 
 
+def trains_like_one_process(cfg) -> list[dict]:
+    """Train `cfg` on every rank; rank 0 checks losses and weights against one process (fp64, 1e-9)."""
+    assert validate(cfg, WORLD.size) == []
+    trainer = Trainer(cfg, WORLD)
+    records = trainer.run()
+    full = trainer.full_state()
+    if WORLD.rank == 0:
+        check = compare_with_reference(cfg, records, full)
+        assert check["max_rel_loss_deviation"] <= 1e-9, check
+        assert check["max_rel_weight_deviation"] <= 1e-9, check
+    return records
+
+
 @needs_world_size(2, 4)
 @mpi_given(max_examples=3, tp=st.sampled_from([1, 2]), zero=st.sampled_from([0, 1, 2, 3]),
            top_k=st.sampled_from([1, 2]),
@@ -188,14 +201,8 @@ def test_data_parallel_moe_trains_like_one_process(tp, zero, top_k, capacity_fac
     """MoE with dp (and tp, the MoE layers replicated over it) and ZeRO 0-3."""
     cfg = tiny(dp=WORLD.size // tp, tp=tp, zero=zero, top_k=top_k, capacity_factor=capacity_factor,
                microbatches=microbatches, seed=seed)
-    assert validate(cfg, WORLD.size) == []
-    trainer = Trainer(cfg, WORLD)
-    records = trainer.run()
-    full = trainer.full_state()
+    records = trains_like_one_process(cfg)
     if WORLD.rank == 0:
-        check = compare_with_reference(cfg, records, full)
-        assert check["max_rel_loss_deviation"] <= 1e-9, check
-        assert check["max_rel_weight_deviation"] <= 1e-9, check
         alone = Trainer(cfg.single_process(), MPI.COMM_SELF).run()  # the log's routing stats: summed over dp
         for mine, ref in zip(records, alone):
             assert mine["tokens_per_expert"] == ref["tokens_per_expert"]
@@ -222,14 +229,8 @@ def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor,
     dp, tp, ep = layout
     cfg = tiny(dp=dp, tp=tp, ep=ep, top_k=top_k, capacity_factor=capacity_factor, microbatches=microbatches,
                zero=zero, seed=seed)
-    assert validate(cfg, WORLD.size) == []
-    trainer = Trainer(cfg, WORLD)
-    records = trainer.run()
-    full = trainer.full_state()
+    records = trains_like_one_process(cfg)
     if WORLD.rank == 0:
-        check = compare_with_reference(cfg, records, full)
-        assert check["max_rel_loss_deviation"] <= 1e-9, check
-        assert check["max_rel_weight_deviation"] <= 1e-9, check
         alone = Trainer(cfg.single_process(), MPI.COMM_SELF).run()
         assert [r["tokens_per_expert"] for r in records] == [r["tokens_per_expert"] for r in alone]
         # 4 all-to-alls per layer and micro-batch (dispatch and combine, forward and backward), each
