@@ -25,7 +25,7 @@ $(PYTHON):
 	python3 -m venv $(VENV)
 
 $(INSTALLED): pyproject.toml | $(PYTHON)
-	$(PYTHON) -m pip install -e ".[mpich,dev]"
+	$(PYTHON) -m pip install -e ".[mpich,dev,viz]"
 	touch $@
 
 # lint first: a broken layer rule or type error fails in seconds, before minutes of tests.
@@ -40,7 +40,7 @@ test: lint
 
 # The lessons alone: every python block of lessons/*.md runs, and the output it prints is checked.
 lessons: $(INSTALLED)
-	@t=$$(date +%s); $(PYTHON) -m pytest --markdown-docs -m markdown-docs -q lessons/; s=$$?; \
+	@t=$$(date +%s); $(PYTHON) -m pytest -q lessons/; s=$$?; \
 	  $(call say,lessons,$$t); exit $$s
 
 # The main job: the default GPT on 8 ranks, 2 data-parallel replicas of a 2-stage pipeline whose
@@ -61,7 +61,7 @@ bench: $(INSTALLED)
 # mypy (core, dist, parallel: [tool.mypy]). All three run even when one fails, so one pass shows everything.
 lint: $(INSTALLED)
 	@t=$$(date +%s); s=0; \
-	  $(VENV)/bin/ruff check minipar tests || s=1; \
+	  $(VENV)/bin/ruff check minipar tests lessons || s=1; \
 	  $(VENV)/bin/lint-imports --no-logo || s=1; \
 	  $(VENV)/bin/mypy || s=1; \
 	  $(call say,lint,$$t); exit $$s

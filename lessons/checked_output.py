@@ -1,0 +1,70 @@
+"""The lessons' printed output, checked: what a block prints must be what the lesson shows below it.
+
+`make lessons` runs every lesson through Sybil (lessons/conftest.py). Three kinds of blocks matter:
+
+- a ```python block runs, in order, in one namespace per lesson; what it prints is kept;
+- a ```console block holds `$ command` lines, each followed by what it prints; every command runs with
+  bash from the project's root (`python` and `mpiexec` are the project's .venv ones), and its output
+  (stdout and stderr, as a terminal shows them) must be the lines below it;
+- a ```output block, or a markdown table under an `<!-- output -->` comment, is what the python block
+  before it printed, line for line.
+
+Comparison is exact (trailing spaces and blank lines at the end aside), so changing one digit of a checked
+number fails. Two ways to mark what a machine changes, each visible in the lesson:
+
+- `...` stands for any text, as in doctest's ELLIPSIS (timings: `step ... ms`);
+- `output rtol=1e-6` (or `<!-- output rtol=1e-6 -->`) compares every number within that relative
+  tolerance and the text between numbers exactly (fp64 losses: OpenBLAS picks its kernels per CPU).
+
+A ```text block is not checked: diagrams, and measurements whose command the lesson shows (`make bench`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import doctest
+import re
+
+NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_ELLIPSIS = doctest.OutputChecker()
+
+
+def normalise(text: str) -> str:
+    """Trailing spaces on each line and blank lines at the end do not count."""
+    return "\n".join(line.rstrip() for line in text.rstrip().splitlines()) + "\n"
+
+
+def parse_options(arguments: str) -> dict[str, float]:
+    """`rtol=1e-6` after the block's language (the only option)."""
+    options: dict[str, float] = {}
+    for word in arguments.split():
+        key, _, value = word.partition("=")
+        if key != "rtol" or not value:
+            raise ValueError(f"unknown output option {word!r}: the one option is rtol=X")
+        options[key] = float(value)
+    return options
+
+
+def _numbers_close(expected: str, printed: str, rtol: float) -> bool:
+    """The text between numbers equal, every number within rtol of the lesson's."""
+    if NUMBER.split(expected) != NUMBER.split(printed):
+        return False
+    for shown, got in zip(NUMBER.findall(expected), NUMBER.findall(printed)):
+        a, b = float(shown.replace(",", "")), float(got.replace(",", ""))
+        if abs(a - b) > rtol * max(abs(a), abs(b)):
+            return False
+    return True
+
+
+def matches(expected: str, printed: str, rtol: float | None = None) -> bool:
+    expected, printed = normalise(expected), normalise(printed)
+    if rtol is not None:
+        return _numbers_close(expected, printed, rtol)
+    return _ELLIPSIS.check_output(expected, printed, doctest.ELLIPSIS)
+
+
+def difference(expected: str, printed: str, where: str) -> str:
+    """The failure message: a diff from what the lesson shows to what the code printed."""
+    diff = difflib.unified_diff(normalise(expected).splitlines(), normalise(printed).splitlines(),
+                                "the lesson shows", "the code printed", lineterm="")
+    return f"{where}: the printed output differs from the lesson\n" + "\n".join(diff)

@@ -1,0 +1,111 @@
+"""Every lesson is a test: `make lessons` (or `pytest lessons/`) runs each lessons/*.md with Sybil.
+
+The rules of what runs and what is compared are in lessons/checked_output.py. `<!-- skip: next -->`
+before a block skips it (Sybil's own directive); ```python notest blocks are excerpts and never run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from checked_output import difference, matches, parse_options
+from sybil import Example, Region, Sybil
+from sybil.evaluators.python import PythonEvaluator
+from sybil.parsers.markdown import CodeBlockParser, SkipParser
+from sybil.parsers.markdown.lexers import FencedCodeBlockLexer
+
+ROOT = Path(__file__).resolve().parent.parent
+PRINTED = "__printed_by_the_last_block__"
+_run_python = PythonEvaluator()
+
+
+def run_python(example: Example) -> None:
+    """Run the block and keep what it printed for the output block that follows."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        _run_python(example)
+    example.namespace[PRINTED] = buffer.getvalue()
+    sys.stdout.write(buffer.getvalue())
+
+
+def compare_output(example: Example) -> str | None:
+    arguments, expected = example.parsed
+    if PRINTED not in example.namespace:
+        return f"{example.path}:{example.line}: an output block must follow a python block that prints"
+    printed = example.namespace.pop(PRINTED)
+    if not matches(expected, printed, **parse_options(arguments)):
+        return difference(expected, printed, f"{example.path}:{example.line}")
+    return None
+
+
+def parse_fenced_outputs(document) -> list[Region]:
+    lexer = FencedCodeBlockLexer(r"output(?:[ \t][^\n]*)?",
+                                 mapping={"language": "language", "source": "source"})
+    regions = []
+    for region in lexer(document):
+        arguments = region.lexemes["language"][len("output"):]
+        # the fence's body as written: Sybil's lexeme drops the indentation common to every line
+        body = document.text[region.start:region.end].split("\n", 1)[1].rsplit("```", 1)[0]
+        region.parsed = (arguments, body)
+        region.evaluator = compare_output
+        regions.append(region)
+    return regions
+
+
+TABLE = re.compile(r"^<!-- output(?P<arguments>[^\n]*?)-->\n(?P<table>(?:\|[^\n]*(?:\n|$))+)", re.MULTILINE)
+
+
+def parse_table_outputs(document) -> list[Region]:
+    """A markdown table under `<!-- output -->` is what the block before it printed (renders as a table)."""
+    return [Region(m.start(), m.end(), (m.group("arguments"), m.group("table")), compare_output)
+            for m in TABLE.finditer(document.text)]
+
+
+def console_commands(source: str) -> list[tuple[str, str]]:
+    """`$ command` lines (a trailing backslash continues one) and what each prints."""
+    steps: list[tuple[str, list[str]]] = []
+    continued = False
+    for line in source.splitlines():
+        if continued:
+            steps[-1] = (steps[-1][0] + "\n" + line, steps[-1][1])
+        elif line.startswith("$ "):
+            steps.append((line[2:], []))
+        elif steps:
+            steps[-1][1].append(line)
+        else:
+            raise ValueError(f"a console block starts with a `$ command` line, not {line!r}")
+        continued = line.endswith("\\") and not steps[-1][1]
+    return [(command, "\n".join(lines)) for command, lines in steps]
+
+
+def run_console(example: Example) -> str | None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "200"}
+    for command, expected in example.parsed:
+        done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=250)
+        if not matches(expected, done.stdout):
+            return difference(expected, done.stdout, f"{example.path}:{example.line}: $ {command}")
+    return None
+
+
+def parse_consoles(document) -> list[Region]:
+    regions = []
+    for region in CodeBlockParser("console", run_console)(document):
+        body = document.text[region.start:region.end].split("\n", 1)[1].rsplit("```", 1)[0]
+        region.parsed = console_commands(body)
+        regions.append(region)
+    return regions
+
+
+pytest_collect_file = Sybil(
+    parsers=[CodeBlockParser("python", run_python), parse_fenced_outputs, parse_table_outputs,
+             parse_consoles, SkipParser()],
+    patterns=["*.md"],
+).pytest()

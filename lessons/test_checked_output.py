@@ -1,0 +1,81 @@
+"""The check of the lessons' output can fail: one changed digit in any checked block is a difference."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from checked_output import NUMBER, matches, parse_options
+from conftest import TABLE, console_commands
+from sybil import Document
+
+LESSONS = sorted(Path(__file__).parent.glob("*.md"))
+FENCED = re.compile(r"^```(?P<language>output|console)(?P<arguments>[^\n]*)\n(?P<body>.*?)^```", re.S | re.M)
+
+
+def checked_blocks():
+    """(lesson, line, expected, rtol) for every output block, table and console command's output."""
+    for path in LESSONS:
+        text = path.read_text()
+        for m in FENCED.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            if m.group("language") == "console":
+                for _, expected in console_commands(m.group("body")):
+                    yield path.name, line, expected, None
+            else:
+                yield path.name, line, m.group("body"), parse_options(m.group("arguments")).get("rtol")
+        for m in TABLE.finditer(text):
+            yield (path.name, text.count("\n", 0, m.start()) + 1, m.group("table"),
+                   parse_options(m.group("arguments")).get("rtol"))
+
+
+def one_digit_changed(text: str):
+    """Every text that differs from this one in exactly one digit (the digit + 1, mod 10)."""
+    for i, c in enumerate(text):
+        if c.isdigit():
+            yield text[:i] + str((int(c) + 1) % 10) + text[i + 1:]
+
+
+def test_every_lesson_is_collected_by_sybil():
+    assert LESSONS, "no lessons found"
+    for path in LESSONS:
+        Document(path.read_text(), str(path))  # parses
+
+
+@pytest.mark.parametrize("lesson, line, expected, rtol", list(checked_blocks()),
+                         ids=lambda v: v if isinstance(v, str) and v.endswith(".md") else None)
+def test_one_changed_digit_in_a_checked_block_fails(lesson, line, expected, rtol):
+    """The printed output equal to the lesson's passes; the lesson's with any one digit changed does not.
+
+    Under rtol a changed last digit may be within tolerance, so there a changed leading digit of every
+    number must fail."""
+    assert matches(expected, expected, rtol)
+    if rtol is None:
+        for changed in one_digit_changed(expected):
+            assert not matches(changed, expected), f"{lesson}:{line}: a changed digit went unnoticed"
+    else:
+        for number in NUMBER.finditer(expected):
+            first = number.start() + next(i for i, c in enumerate(number.group()) if c.isdigit())
+            changed = expected[:first] + str((int(expected[first]) + 1) % 10) + expected[first + 1:]
+            if float(number.group().replace(",", "")) != 0:
+                assert not matches(changed, expected, rtol), f"{lesson}:{line}: {number.group()} unchecked"
+
+
+def test_ellipsis_stands_for_any_text_and_nothing_else():
+    assert matches("step ... ms\nloss 1.25\n", "step 12.5 ms\nloss 1.25")
+    assert not matches("step ... ms\nloss 1.25\n", "step 12.5 ms\nloss 1.26")
+    assert not matches("loss 1.25", "loss 1.25 extra")
+
+
+def test_rtol_compares_numbers_and_the_text_between_them():
+    assert matches("loss 2.000000001, 7 ranks", "loss 2.000000002, 7 ranks", rtol=1e-6)
+    assert not matches("loss 2.0, 7 ranks", "loss 2.1, 7 ranks", rtol=1e-6)
+    assert not matches("loss 2.0, 7 ranks", "loss 2.0, 7 nodes", rtol=1e-6)
+    with pytest.raises(ValueError):
+        parse_options("atol=1")
+
+
+def test_console_blocks_split_into_commands_and_their_output():
+    block = "$ echo a \\\n  b\na b\n$ true\n"
+    assert console_commands(block) == [("echo a \\\n  b", "a b"), ("true", "")]
