@@ -16,6 +16,9 @@ number fails. Two ways to mark what a machine changes, each visible in the lesso
 - `output rtol=1e-6` (or `<!-- output rtol=1e-6 -->`) compares every number within that relative
   tolerance and the text between numbers exactly (fp64 losses: OpenBLAS picks its kernels per CPU).
 
+A ```python excerpt minipar/x.py block must be in that file word for word (indentation and blank lines
+aside); a line `...` stands for lines left out, so an excerpt can skip the parts the lesson does not need.
+
 A ```text block is not checked: diagrams, and measurements whose command the lesson shows (`make bench`).
 """
 
@@ -68,3 +71,25 @@ def difference(expected: str, printed: str, where: str) -> str:
     diff = difflib.unified_diff(normalise(expected).splitlines(), normalise(printed).splitlines(),
                                 "the lesson shows", "the code printed", lineterm="")
     return f"{where}: the printed output differs from the lesson\n" + "\n".join(diff)
+
+
+def excerpt_missing(excerpt: str, source: str) -> str | None:
+    """None if every part of the excerpt (parts split at `...` lines) is in source, in order; else the
+    first line that is not."""
+    lines = [line.strip() for line in source.splitlines() if line.strip()]
+    start = 0
+    part: list[str] = []
+    parts = []
+    for line in excerpt.splitlines() + ["..."]:
+        if line.strip() == "...":
+            parts.append(part)
+            part = []
+        elif line.strip():
+            part.append(line.strip())
+    for part in filter(None, parts):
+        found = next((i for i in range(start, len(lines) - len(part) + 1) if lines[i:i + len(part)] == part),
+                     None)
+        if found is None:
+            return next((line for line in part if line not in lines[start:]), part[0])
+        start = found + len(part)
+    return None

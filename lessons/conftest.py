@@ -1,7 +1,9 @@
 """Every lesson is a test: `make lessons` (or `pytest lessons/`) runs each lessons/*.md with Sybil.
 
 The rules of what runs and what is compared are in lessons/checked_output.py. `<!-- skip: next -->`
-before a block skips it (Sybil's own directive); ```python notest blocks are excerpts and never run.
+before a block skips it (Sybil's own directive). A ```python excerpt PATH block is code shown from
+minipar's source, checked to be there word for word (so it cannot drift); ```python notest blocks are
+sketches that neither run nor are checked.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from checked_output import difference, matches, parse_options
+from checked_output import difference, excerpt_missing, matches, parse_options
 from sybil import Example, Region, Sybil
 from sybil.evaluators.python import PythonEvaluator
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
@@ -104,8 +106,31 @@ def parse_consoles(document) -> list[Region]:
     return regions
 
 
+def check_excerpt(example: Example) -> str | None:
+    path, excerpt = example.parsed
+    source = ROOT / path
+    if not source.is_file():
+        return f"{example.path}:{example.line}: the excerpt names {path}, which does not exist"
+    missing = excerpt_missing(excerpt, source.read_text())
+    if missing is not None:
+        return f"{example.path}:{example.line}: this excerpt is not in {path} (any more): {missing!r}"
+    return None
+
+
+def parse_excerpts(document) -> list[Region]:
+    lexer = FencedCodeBlockLexer(r"python excerpt [^\n]+",
+                                 mapping={"language": "language", "source": "source"})
+    regions = []
+    for region in lexer(document):
+        body = document.text[region.start:region.end].split("\n", 1)[1].rsplit("```", 1)[0]
+        region.parsed = (region.lexemes["language"].split(None, 2)[2].strip(), body)
+        region.evaluator = check_excerpt
+        regions.append(region)
+    return regions
+
+
 pytest_collect_file = Sybil(
     parsers=[CodeBlockParser("python", run_python), parse_fenced_outputs, parse_table_outputs,
-             parse_consoles, SkipParser()],
+             parse_consoles, parse_excerpts, SkipParser()],
     patterns=["*.md"],
 ).pytest()

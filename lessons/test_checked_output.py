@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from checked_output import NUMBER, matches, parse_options
+from checked_output import NUMBER, excerpt_missing, matches, parse_options
 from conftest import TABLE, console_commands
 from sybil import Document
 
@@ -79,3 +79,11 @@ def test_rtol_compares_numbers_and_the_text_between_them():
 def test_console_blocks_split_into_commands_and_their_output():
     block = "$ echo a \\\n  b\na b\n$ true\n"
     assert console_commands(block) == [("echo a \\\n  b", "a b"), ("true", "")]
+
+
+def test_an_excerpt_must_be_in_the_source_in_order():
+    source = "def f(x):\n    y = x + 1\n\n    return y\n\ndef g():\n    pass\n"
+    assert excerpt_missing("def f(x):\n    y = x + 1\n    return y\n", source) is None
+    assert excerpt_missing("def f(x):\n    ...\ndef g():\n", source) is None
+    assert excerpt_missing("def f(x):\n    y = x + 2\n", source) == "y = x + 2"
+    assert excerpt_missing("def g():\n...\ndef f(x):\n", source) == "def f(x):"
