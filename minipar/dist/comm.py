@@ -7,7 +7,9 @@ each call to a ``TrafficLedger`` by the bandwidth-optimal ring cost per rank (S 
     all_reduce      2(N-1)/N * S      (a reduce-scatter followed by an all-gather)
     reduce_scatter   (N-1)/N * S      (S = the full input)
     all_gather       (N-1)/N * S      (S = the full output)
-    broadcast              S          (a pipelined broadcast: each rank forwards the payload once)
+    broadcast              S          (a pipelined chain from the root: each rank forwards the
+                                      payload once, but the chain's last, root-1 mod N, only
+                                      receives and is charged 0: (N-1) * S over all ranks)
     send                   S          (charged to the sender; recv is free)
     sendrecv               S          (one hop of a ring: the send half is charged, as send)
 
@@ -261,12 +263,18 @@ class Comm:
         return _device(xp.concatenate([row[:count] for row, count in zip(received, counts)]))
 
     def broadcast(self, x, root: int = 0):
-        """A new array with root's x; every rank passes an x of the same shape and dtype."""
+        """A new array with root's x; every rank passes an x of the same shape and dtype.
+
+        Charged as a pipelined chain root -> root+1 -> ... -> root-1 (mod N), the bandwidth-optimal
+        broadcast for large payloads: each rank forwards the payload once to its successor, except
+        the chain's last rank, whose successor is the root: it only receives and is charged nothing.
+        The payload reaches N-1 ranks, so the ranks' charges add up to (N-1) * S.
+        """
         buffer = _send_buffer(x, copy=True)  # a new buffer: the other ranks receive into it
         with self.watch("broadcast"):
             self.mpi.Bcast(buffer, root=root)
-        forwarded = self.size > 1
-        self.ledger.charge(self.name, "broadcast", buffer.nbytes if forwarded else 0, int(forwarded),
+        forwards = self.successor != root  # never on one rank: its successor is itself, the root
+        self.ledger.charge(self.name, "broadcast", buffer.nbytes if forwards else 0, int(forwards),
                            link=self.link_to(self.successor))
         return _device(buffer)
 

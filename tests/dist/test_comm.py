@@ -308,6 +308,9 @@ def test_all_gather_of_uneven_shards(comm, seed, dtype, use_numel):
 
 @mpi_given(shape=shapes, dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**32 - 1))
 def test_broadcast_from_every_root(comm, shape, dtype, seed):
+    """A chain broadcast root -> root+1 -> ... sends the S bytes N-1 times: to each rank but the root.
+    Each rank is the chain's last (it sends nothing) for one root of the N, so over every root it
+    sends (N-1) x S, in N-1 messages."""
     comm.ledger.start_step()
     for root in range(comm.size):
         mine = rank_data(seed, comm.rank, shape, dtype)
@@ -315,7 +318,25 @@ def test_broadcast_from_every_root(comm, shape, dtype, seed):
         assert numpy.array_equal(received, rank_data(seed, root, shape, dtype))
         assert received is not mine
     nbytes = int(numpy.prod(shape, dtype=int)) * numpy.dtype(dtype).itemsize
-    assert comm.ledger.step_report()["by_op"] == {"broadcast": comm.size * nbytes}
+    report = comm.ledger.step_report()
+    assert report["by_op"] == {"broadcast": (comm.size - 1) * nbytes}
+    assert report["messages"] == comm.size - 1
+
+
+@mpi_test
+def test_broadcast_charges_the_chain_what_it_sends(comm):
+    """Root 0 on N ranks: ranks 0..N-2 each forward the 8 x 10 = 80 bytes to the next; rank N-1 only
+    receives. The charges, written out, add up to (N-1) x S: the payload reaches N-1 ranks once each."""
+    S = 80
+    expected = {root: [S] * comm.size for root in (0, comm.size - 1)}
+    expected[0][comm.size - 1] = 0  # chain 0 -> 1 -> ... -> N-1: the last sends nothing
+    expected[comm.size - 1][comm.size - 2] = 0  # chain N-1 -> 0 -> ... -> N-2
+    for root, by_rank in expected.items():
+        comm.ledger.start_step()
+        comm.broadcast(numpy.arange(10.0), root=root)
+        charges = comm.allgather_obj(comm.ledger.step_report()["sent_bytes"])
+        assert charges == by_rank
+        assert sum(charges) == (comm.size - 1) * S
 
 
 @mpi_test
