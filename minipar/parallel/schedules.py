@@ -75,8 +75,9 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
 def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     """1F1B (PipeDream-Flush): a few warm-up forwards, then alternate one forward and one backward.
 
-    Stage s runs K-s-1 warm-up forwards (just enough to fill the pipe below it), so it never holds more
-    than K-s micro-batches' activations; the remaining backwards drain the pipe at the end.
+    Stage s runs K-s-1 warm-up forwards, one for each of the stages s+1..K-1 after it (enough to keep
+    them busy until the first backward comes back; Megatron-LM's `num_warmup_microbatches`), so it never
+    holds more than K-s micro-batches' activations; the remaining backwards drain the pipe at the end.
     """
     schedule = []
     for stage in range(stages):
