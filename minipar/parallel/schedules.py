@@ -95,7 +95,7 @@ def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule
 
     Work goes in rounds of K micro-batches: forward step k of a rank is micro-batch (k // KV)·K + k % K
     through chunk (k // K) % V; backward step k the same micro-batch through chunk V-1 - (k // K) % V.
-    Rank s runs 2(K-s-1) + (V-1)·K warm-up forwards (enough to keep every chunk below it busy), then
+    Rank s runs 2(K-s-1) + (V-1)·K warm-up forwards (enough to keep every chunk after it busy), then
     one forward and one backward, then drains. M must be a multiple of K (Megatron's requirement).
     """
     if virtual_stages < 2:
