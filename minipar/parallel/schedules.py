@@ -75,8 +75,9 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
 def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     """1F1B (PipeDream-Flush): a few warm-up forwards, then alternate one forward and one backward.
 
-    Stage s runs K-s-1 warm-up forwards (just enough to fill the pipe below it), so it never holds more
-    than K-s micro-batches' activations; the remaining backwards drain the pipe at the end.
+    Stage s runs K-s-1 warm-up forwards, one for each of the stages s+1..K-1 after it (enough to keep
+    them busy until the first backward comes back; Megatron-LM's `num_warmup_microbatches`), so it never
+    holds more than K-s micro-batches' activations; the remaining backwards drain the pipe at the end.
     """
     schedule = []
     for stage in range(stages):
@@ -94,7 +95,7 @@ def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule
 
     Work goes in rounds of K micro-batches: forward step k of a rank is micro-batch (k // KV)·K + k % K
     through chunk (k // K) % V; backward step k the same micro-batch through chunk V-1 - (k // K) % V.
-    Rank s runs 2(K-s-1) + (V-1)·K warm-up forwards (enough to keep every chunk below it busy), then
+    Rank s runs 2(K-s-1) + (V-1)·K warm-up forwards (enough to keep every chunk after it busy), then
     one forward and one backward, then drains. M must be a multiple of K (Megatron's requirement).
     """
     if virtual_stages < 2:
