@@ -4,8 +4,9 @@
 
 - a ```python block runs, in order, in one namespace per lesson; what it prints is kept;
 - a ```console block holds `$ command` lines, each followed by what it prints; every command runs with
-  bash from the project's root (`python` and `mpiexec` are the project's .venv ones), and its output
-  (stdout and stderr, as a terminal shows them) must be the lines below it;
+  bash from the project's root (`python` and `mpiexec` are the project's .venv ones), and what it
+  prints on stdout must be the lines below it (stderr carries progress lines; a block that shows an
+  error message says `2>&1`);
 - a ```output block, or a markdown table under an `<!-- output -->` comment, is what the python block
   before it printed, line for line.
 

@@ -90,10 +90,12 @@ def run_console(example: Example) -> str | None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "200"}
     for command, expected in example.parsed:
-        done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=250)
+        # stdout only: progress lines go to stderr (a block shows an error message with 2>&1)
+        done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=250)
         if not matches(expected, done.stdout):
-            return difference(expected, done.stdout, f"{example.path}:{example.line}: $ {command}")
+            stderr = f"\n(its stderr:)\n{done.stderr[-2000:]}" if done.stderr else ""
+            return difference(expected, done.stdout, f"{example.path}:{example.line}: $ {command}") + stderr
     return None
 
 

@@ -37,6 +37,24 @@ def one_digit_changed(text: str):
             yield text[:i] + str((int(c) + 1) % 10) + text[i + 1:]
 
 
+FENCE_OPENING = re.compile(r"^(?P<fence>```+)(?P<info>[^\n`]*)$", re.M)
+KNOWN = re.compile(r"python|python notest|python excerpt \S+|output( rtol=\S+)?|console|text|bash")
+
+
+def test_every_fence_says_what_it_is():
+    """A bare fence would be neither run nor checked without saying so: each names its kind."""
+    for path in LESSONS:
+        inside = False
+        for m in FENCE_OPENING.finditer(path.read_text()):
+            if inside:
+                inside = False  # a closing fence
+                continue
+            inside = True
+            info = m.group("info").strip()
+            line = path.read_text().count("\n", 0, m.start()) + 1
+            assert KNOWN.fullmatch(info), f"{path.name}:{line}: fence {info!r} is not one of {KNOWN.pattern}"
+
+
 def test_every_lesson_is_collected_by_sybil():
     assert LESSONS, "no lessons found"
     for path in LESSONS:
