@@ -88,7 +88,7 @@ class Trainer:
         self.memory.reset_peaks()
         backend.current().sync()
         started = time.perf_counter()
-        loss = self.engine.train_step(inputs, targets)
+        loss = self.engine.train_step(inputs, targets, self.task.answer_positions(inputs, targets))
         backend.current().sync()
         elapsed = time.perf_counter() - started
         for category, held in self.engine.updater.memory().items():
@@ -97,6 +97,7 @@ class Trainer:
         record = {
             "step": step,
             "loss": float(loss),
+            **({"accuracy": self.engine.accuracy} if self.engine.accuracy is not None else {}),
             "tokens_per_s": float((targets.size if cfg.is_gpt else len(targets)) / elapsed),
             "time_s": elapsed,
             "mem": self.memory.report(),
