@@ -12,6 +12,7 @@ import numpy as np
 
 from minipar.core.nn import MLPNet
 from minipar.trainer.build import chunked
+from minipar.trainer.reference import verdict_lines
 
 MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations_peak", "buffers_peak", "device_peak")
 
@@ -92,7 +93,5 @@ def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None)
         *pipeline_line(records),
     ]
     if check:
-        lines.append("check against one process: largest relative deviation, "
-                     f"loss {check['max_rel_loss_deviation']:.1e}, "
-                     f"weights {check['max_rel_weight_deviation']:.1e}")
+        lines += verdict_lines(check, cfg.steps)
     return "\n".join(lines)
