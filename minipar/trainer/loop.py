@@ -252,6 +252,24 @@ def check_against_reference(cfg: TrainConfig, records: list[dict], snapshot: dic
                              cfg.steps)
 
 
+def decoded_predictions(cfg: TrainConfig, full: dict, task, count: int = 4) -> list[str]:
+    """A few answers of the trained model (its full weights, on one process) to the batch after the
+    last step, which it has not trained on ("123+456=579, predicted 579")."""
+    from mpi4py import MPI
+
+    from minipar.core.autograd import no_grad
+
+    one = cfg.single_process()
+    model = build.build_model(one, ProcessGrid(Comm(MPI.COMM_SELF), 1, 1, 1, 1))
+    be = backend.current()
+    for name, parameter in model.named_parameters():
+        parameter.data[...] = be.from_host(full[name])
+    inputs, targets = task.global_batch(cfg.steps, cfg.batch_size)
+    with no_grad():
+        predicted = np.asarray(be.to_host(model(be.from_host(inputs)).data)).argmax(axis=-1)
+    return task.decoded_problems(inputs, targets, predicted)[:count]
+
+
 def train(cfg: TrainConfig, world=None) -> list[dict]:
     """Train under `world` (default COMM_WORLD) and return rank 0's records (other ranks: their own)."""
     from mpi4py import MPI
@@ -268,7 +286,8 @@ def train(cfg: TrainConfig, world=None) -> list[dict]:
     check = check_against_reference(cfg, records, trainer.snapshot, full) \
         if trainer.is_rank0 and cfg.check_reference else None
     if trainer.is_rank0 and not cfg.quiet and records:
-        print(report.summary(cfg, records, rank_rows, check), flush=True)
+        samples = decoded_predictions(cfg, full, trainer.task) if full is not None and cfg.is_gpt else []
+        print(report.summary(cfg, records, rank_rows, check, samples), flush=True)
     if trainer.log_error:  # rank 0 only: after the checkpoint and the other ranks' last collective
         raise RunStopped(trainer.log_error)
     if check and not check["passed"]:  # rank 0 only, like the log's failure: exit 1

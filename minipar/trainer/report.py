@@ -76,7 +76,9 @@ def zero_stage(cfg) -> str:
     return f"3 (chunked, offload {cfg.offload})" if chunked(cfg) else str(cfg.zero)
 
 
-def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None) -> str:
+def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None,
+            samples: list[str] = ()) -> str:
+    """`samples`: decoded predictions of the trained model (loop.py decoded_predictions), if any."""
     last = records[-1]
     rate = np.median([r["tokens_per_s"] for r in records[1:]] or [last["tokens_per_s"]])
     unit = "tokens/s" if cfg.is_gpt else "samples/s"
@@ -94,4 +96,7 @@ def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None)
     ]
     if check:
         lines += verdict_lines(check, cfg.steps)
+    if samples:
+        lines.append("predictions on a batch it did not train on (each answer digit given the ones before):")
+        lines += [f"  {sample}" for sample in samples]
     return "\n".join(lines)

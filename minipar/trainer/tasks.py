@@ -67,6 +67,23 @@ class AdditionTask:
             (first_newline[:, None] < last_sign)
 
 
+    def decoded_problems(self, inputs, targets, predicted) -> list[str]:
+        """"123+456=579, predicted 579" for each problem whose answer the window shows whole, from the
+        predicted token at each answer position (given the true tokens before it). The sums are
+        shown in the usual order; the data writes them reversed."""
+        lines, width = [], self.digits + 1
+        scored = self.answer_positions(inputs, targets)
+        for row in range(len(inputs)):
+            starts = [t for t in range(inputs.shape[1]) if scored[row, t] and not (t and scored[row, t - 1])]
+            for t in starts:
+                if t + width <= inputs.shape[1] and scored[row, t:t + width].all():
+                    problem = decode(inputs[row, t - 2 * self.digits - 1:t])
+                    answer, guess = (decode(ids[row, t:t + width])[::-1].replace("\n", "⏎")
+                                     for ids in (targets, predicted))
+                    lines.append(f"{problem}={answer}, predicted {guess}")
+        return lines
+
+
 class RegressionTask:
     """Inputs x ~ N(0, 1) and targets tanh(x W) with a fixed random W: a smooth target an MLP fits."""
 

@@ -111,3 +111,12 @@ def test_every_layout_logs_the_accuracy_of_one_process():
         if WORLD.rank == 0 and accuracy != reference:  # equal counts over the same answer digits
             differing.append((layout, accuracy))
     assert not differing, (reference, differing)
+
+
+def test_decoded_problems_show_each_whole_answer_in_the_usual_order_with_its_prediction():
+    window = encode("7+364=9980\n766+889=5561\n857+942=9971\n12")
+    inputs, targets = window[None, :-1], window[None, 1:]
+    predicted = targets.copy()
+    predicted[0, 19] = encode("\n")[0]  # the second digit of 5561 (1655 reversed) predicted as a newline
+    assert AdditionTask(seq_len=inputs.shape[1], seed=0).decoded_problems(inputs, targets, predicted) == \
+        ["766+889=1655, predicted 16⏎5", "857+942=1799, predicted 1799"]
