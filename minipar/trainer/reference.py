@@ -8,9 +8,10 @@ against a tolerance of the precision, PASS or FAIL (exit 1). The final weights' 
 apart, as drift: how far roundoff has grown by the end, not an error.
 
 The weights are compared as one vector, ||w - w_ref|| / ||w_ref|| over every parameter together:
-a tensor whose true gradient is zero (a bias AdamW moves by its normalised roundoff) has a relative
-deviation of order one on its own, which says nothing about the model, while its share of the whole
-vector's norm is what it changes in the model. Lesson: lessons/00_overview.md.
+AdamW divides by the gradient's root-mean-square, so a tensor whose true gradient is nearly zero (a
+bias that starts at zero) is moved by roundoff about as far as by a real gradient, and relative to its
+own small norm can deviate far more than the model does; its share of the whole vector's norm is what
+it changes in the model. Lesson: lessons/00_overview.md.
 """
 
 from __future__ import annotations

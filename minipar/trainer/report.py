@@ -94,9 +94,9 @@ def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None,
         *comm_table(last["comm"]),
         *pipeline_line(records),
     ]
-    if check:
-        lines += verdict_lines(check, cfg.steps)
     if samples:
         lines.append("predictions on a batch it did not train on (each answer digit given the ones before):")
         lines += [f"  {sample}" for sample in samples]
+    if check:  # last: the verdict (and the drift where the run went past the steps it judges)
+        lines += verdict_lines(check, cfg.steps)
     return "\n".join(lines)
