@@ -146,10 +146,10 @@ class MoEGPT(GPT):
         self.aux_loss_total = 0.0  # the aux-loss part of the losses since the last `take_routing_stats`
         self.kept_total = [[0] * moe.n_experts for _ in range(self.config.n_layer)]  # per block and expert
 
-    def loss(self, logits, targets, normaliser: int):
+    def loss_and_correct(self, logits, targets, normaliser: int):
         """The language-model loss (GPT's, or the next class's in the MRO: tensor parallelism's) plus
-        coef * (summed per-sequence aux losses) / global sequences."""
-        lm = super().loss(logits, targets, normaliser)
+        coef * (summed per-sequence aux losses) / global sequences; the language model's predictions."""
+        lm, correct = super().loss_and_correct(logits, targets, normaliser)
         sequences = normaliser / targets.shape[1]
         aux = self.blocks[0].mlp.aux_loss
         for block in list(self.blocks)[1:]:
@@ -158,7 +158,7 @@ class MoEGPT(GPT):
             kept[:] = [a + b for a, b in zip(kept, block.mlp.tokens_per_expert)]
         aux = aux * (self.moe.aux_loss_coef / sequences)
         self.aux_loss_total += aux.item()
-        return lm + aux
+        return lm + aux, correct
 
     def take_routing_stats(self) -> tuple[float, list[list[int]]]:
         """This rank's aux-loss part of the losses and the tokens each block's experts kept, since

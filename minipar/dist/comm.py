@@ -533,10 +533,22 @@ def inject_fault(rank: int, what: str, **where) -> None:
     spec = os.environ.get("MINIPAR_FAULT", "")
     fault = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)
     named = {"rank": rank, **where}
+    if "nudge" in fault:  # not a failure: fault_nudge's deviation
+        return
     if where and all(fault.get(key) == str(value) for key, value in named.items()):
         if fault.get("stall") == "stop":  # rank:R,step:S,stall:stop: this rank stops, as if hung
             os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError(f"injected fault on rank {rank} {what} (MINIPAR_FAULT={spec})")
+
+
+def fault_nudge(rank: int, step: int) -> float | None:
+    """MINIPAR_FAULT=rank:R,step:S,nudge:X: the relative amount by which rank R moves its first
+    parameter before step S (trainer/loop.py), a deviation from one process that --check-reference
+    must report as FAIL; None elsewhere."""
+    fault = dict(part.split(":", 1) for part in os.environ.get("MINIPAR_FAULT", "").split(",") if ":" in part)
+    if fault.get("rank") == str(rank) and fault.get("step") == str(step) and "nudge" in fault:
+        return float(fault["nudge"])
+    return None
 
 
 def wait_for_everyone(mpi_comm, nap_s: float = 0.001) -> None:

@@ -35,9 +35,15 @@ class Runner(Protocol):
     """Forward and backward over this rank's share of a batch."""
 
     @abstractmethod
-    def forward_backward(self, inputs, targets, normaliser: int) -> float:
+    def forward_backward(self, inputs, targets, normaliser: int, scored=None) -> float:
         """Accumulate the gradients of this slice's loss (divided by the global `normaliser`); return the
-        summed loss (0.0 on pipeline stages that have none). Collective in pipeline parallelism."""
+        summed loss (0.0 on pipeline stages that have none). Collective in pipeline parallelism.
+        `scored` (bool, targets' shape; None: all of them) marks the predictions the accuracy counts."""
+
+    def correct_count(self) -> int | None:
+        """How many of the last step's scored predictions this rank's loss found right (0 on pipeline
+        stages without the loss), or None for a runner that does not count them (no accuracy logged)."""
+        return None
 
     def timing(self) -> dict | None:
         """The last step's measured pipeline timing (busy, idle, bubble) for the train log, or None."""
@@ -94,20 +100,39 @@ class Updater(Protocol):
         return None
 
 
+def split_scored(scored, microbatches: int) -> list:
+    """The accuracy's mask cut into micro-batches like the targets (None for each: all scored)."""
+    return [None] * microbatches if scored is None else np.array_split(scored, microbatches)
+
+
+def count_correct(correct, scored) -> int:
+    """How many of the scored predictions are right (`correct`: the loss's verdicts, on the device)."""
+    if scored is not None:
+        correct = correct & backend.current().from_host(scored)
+    return int(correct.sum())
+
+
 class MicrobatchRunner(Runner):
     """Forward and backward micro-batch after micro-batch, on this rank's whole model."""
 
     def __init__(self, model, microbatches: int):
         self.model, self.microbatches = model, microbatches
+        self.correct = 0
 
-    def forward_backward(self, inputs, targets, normaliser: int) -> float:
+    def forward_backward(self, inputs, targets, normaliser: int, scored=None) -> float:
         total, to_device = 0.0, backend.current().from_host  # the batch is made on the host
-        pieces = zip(np.array_split(inputs, self.microbatches), np.array_split(targets, self.microbatches))
-        for x, y in pieces:
-            loss = self.model.loss(self.model(to_device(x)), to_device(y), normaliser)
+        self.correct = 0
+        pieces = zip(np.array_split(inputs, self.microbatches), np.array_split(targets, self.microbatches),
+                     split_scored(scored, self.microbatches))
+        for x, y, s in pieces:
+            loss, correct = self.model.loss_and_correct(self.model(to_device(x)), to_device(y), normaliser)
             loss.backward()
             total += loss.item()
+            self.correct += count_correct(correct, s)
         return total
+
+    def correct_count(self) -> int | None:
+        return self.correct
 
 
 class LocalUpdater(Updater):

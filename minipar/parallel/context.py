@@ -198,8 +198,13 @@ class ContextParallelRunner(Runner):
         self.runner, self.positions = runner, np.asarray(positions)
         self.handles = hold_positions(model, self.positions)
 
-    def forward_backward(self, inputs, targets, normaliser: int) -> float:
-        return self.runner.forward_backward(inputs[:, self.positions], targets[:, self.positions], normaliser)
+    def forward_backward(self, inputs, targets, normaliser: int, scored=None) -> float:
+        mine = self.positions
+        return self.runner.forward_backward(inputs[:, mine], targets[:, mine], normaliser,
+                                            None if scored is None else scored[:, mine])
+
+    def correct_count(self) -> int | None:
+        return self.runner.correct_count()
 
     def timing(self) -> dict | None:
         return self.runner.timing()

@@ -31,7 +31,7 @@ import numpy as np
 from minipar.core import backend
 from minipar.core.autograd import Tensor
 from minipar.core.nn import Module
-from minipar.parallel.api import Runner
+from minipar.parallel.api import Runner, count_correct, split_scored
 from minipar.parallel.schedules import Action, build_schedule, check_schedule, splits_backward
 
 if TYPE_CHECKING:  # only for annotations: the pipeline talks to MPI through Comm
@@ -92,7 +92,8 @@ class PipelineStage(Module):
             for name, unit in units[run.start:run.stop]:
                 self.add_module(name, unit)
         self.config = model.config
-        self.loss = without_units(model).loss  # applied on the last stage only
+        shell = without_units(model)  # its loss is applied on the last stage only
+        self.loss, self.loss_and_correct = shell.loss, shell.loss_and_correct
         self.is_last = is_last
 
     def units(self):
@@ -169,6 +170,7 @@ class PipelineRunner(Runner):
         self.deferred: dict[tuple, list] = {}  # (micro-batch, chunk) -> weight-gradient work, B to W
         self.pending_sends: list[MPI.Request] = []  # this step's sends not yet known to be complete
         self.loss_sum = 0.0
+        self.correct = 0  # this step's right predictions among the scored ones (last stage)
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
         self.last_timing: dict = {}
 
@@ -192,11 +194,13 @@ class PipelineRunner(Runner):
         """A message's tag: the boundary between virtual stages `boundary` and `boundary`+1, and the way."""
         return 2 * (microbatch * self.stages * self.virtual_stages + boundary) + int(backward)
 
-    def forward_backward(self, inputs, targets, normaliser: int) -> float:
+    def forward_backward(self, inputs, targets, normaliser: int, scored=None) -> float:
         """The summed loss of this batch on the last stage (0.0 on the others); grads accumulate."""
         xs = np.array_split(inputs, self.microbatches)
         ys = np.array_split(targets, self.microbatches)
+        scored_pieces = split_scored(scored, self.microbatches)
         self.in_flight, self.deferred, self.pending_sends, self.loss_sum = {}, {}, [], 0.0
+        self.correct = 0
         self.received_early = 0
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
         self.comm.barrier()  # every stage's clock starts together, so the makespan is common
@@ -205,7 +209,8 @@ class PipelineRunner(Runner):
             if self.early_receives and k + 1 < len(self.actions):
                 self.post_receive(self.actions[k + 1], xs)
             if action.op == "F":
-                self.forward(action, xs[action.microbatch], ys[action.microbatch], normaliser)
+                i = action.microbatch
+                self.forward(action, xs[i], ys[i], scored_pieces[i], normaliser)
             elif action.op == "B":
                 self.backward(action)
             else:
@@ -215,7 +220,10 @@ class PipelineRunner(Runner):
         self.record_timing(time.perf_counter() - started)
         return self.loss_sum
 
-    def forward(self, action: Action, x, y, normaliser: int):
+    def correct_count(self) -> int | None:
+        return self.correct  # 0 but on the last stage, like the loss
+
+    def forward(self, action: Action, x, y, scored, normaliser: int):
         be, i, v = backend.current(), action.microbatch, self.virtual(action)
         last = v == self.stages * self.virtual_stages - 1
         if v == 0:
@@ -227,8 +235,9 @@ class PipelineRunner(Runner):
         with self.computing("F"):
             output = self.stage(stage_input, chunk=action.chunk or 0)
             if last:
-                output = self.stage.loss(output, be.from_host(y), normaliser)
+                output, correct = self.stage.loss_and_correct(output, be.from_host(y), normaliser)
                 self.loss_sum += output.item()
+                self.correct += count_correct(correct, scored)
         if not last:
             self.send(output.data, (v + 1) % self.stages, tag=self.tag(i, v, backward=False))
         self.in_flight[i, action.chunk] = (stage_input, output)

@@ -225,7 +225,7 @@ class VocabParallelCrossEntropy(Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, vocab_size, comm):
+    def forward(ctx, logits, targets, vocab_start, vocab_size, comm, correct=None):
         xp = xp_of(logits)
         n, width = logits.shape
         columns = vocab_start + xp.arange(width)
@@ -236,6 +236,8 @@ class VocabParallelCrossEntropy(Function):
         mine = (local_target >= 0) & (local_target < width)
         rows = xp.arange(n)
         target_logit = comm.all_reduce(xp.where(mine, shifted[rows, xp.where(mine, local_target, 0)], 0))
+        if correct is not None:  # the accuracy's count: the target's logit is the row's maximum
+            correct[:] = target_logit == 0
         exp = xp.exp(shifted)
         sum_exp = comm.all_reduce(exp.sum(axis=-1))
         ctx.save_for_backward(exp / sum_exp[:, None])
@@ -247,12 +249,13 @@ class VocabParallelCrossEntropy(Function):
         (probs,) = ctx.saved
         grad = probs.copy()
         grad[ctx.target_rows, ctx.target_columns] -= 1
-        return grad * g, None, None, None, None
+        return grad * g, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, vocab_size: int, comm):
-    """Like F.cross_entropy(logits, targets, "sum") for the vocab-split logits this rank holds."""
-    return VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, comm)
+def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, vocab_size: int, comm, correct=None):
+    """Like F.cross_entropy(logits, targets, "sum") for the vocab-split logits this rank holds.
+    `correct` (bool, (N,), optional) is filled with where the target's logit is the row's largest."""
+    return VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, comm, correct)
 
 
 # ---- what `minipar train --tp` needs (trainer/validate.py gathers it) ----------------------------------

@@ -12,6 +12,7 @@ replicas compose around it. Lesson: lessons/05_tensor_parallel.md.
 
 from __future__ import annotations
 
+from minipar.core.backend import xp_of
 from minipar.core.nn import GPT, Block, GPTConfig, GPTEmbedding, GPTHead, Module, ModuleList, causal_attention
 from minipar.parallel.tensor import (
     ColumnParallelLinear,
@@ -43,9 +44,11 @@ class TensorParallelGPT(GPT):
         if seed is not None:
             self.init_parameters(seed)
 
-    def loss(self, logits, targets, normaliser: int):
-        """Summed token cross-entropy over the vocab-split logits, divided by the global token count."""
+    def loss_and_correct(self, logits, targets, normaliser: int):
+        """Summed token cross-entropy over the vocab-split logits, divided by the global token count;
+        and where the target's logit is the row's largest, which the loss finds with no extra message."""
         width = logits.shape[-1]
+        correct = xp_of(logits.data).zeros(targets.size, dtype=bool)
         total = vocab_parallel_cross_entropy(logits.reshape(-1, width), targets.reshape(-1), self.vocab_start,
-                                             self.config.vocab_size, self.comm)
-        return total * (1.0 / normaliser)
+                                             self.config.vocab_size, self.comm, correct)
+        return total * (1.0 / normaliser), correct.reshape(targets.shape)

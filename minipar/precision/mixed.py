@@ -59,7 +59,7 @@ class MixedPrecisionRunner(Runner):
         self.loss_scaling = loss_scaling
         self.cast = rounding_every_op(round_to)
 
-    def forward_backward(self, inputs, targets, normaliser) -> float:
+    def forward_backward(self, inputs, targets, normaliser, scored=None) -> float:
         scale = self.loss_scaling.scaler.get_scale() if self.loss_scaling else 1.0
         masters = [p.data for p in self.params]
         working = [self.round_to(m).astype(m.dtype, copy=False) for m in masters]
@@ -68,7 +68,7 @@ class MixedPrecisionRunner(Runner):
             p.data = w
         try:  # an overflow to inf is expected in fp16: the loss scaler deals with it, so no warnings
             with autograd.cast_outputs(self.cast), np.errstate(over="ignore", invalid="ignore"):
-                loss = self.runner.forward_backward(inputs, targets, normaliser / scale)
+                loss = self.runner.forward_backward(inputs, targets, normaliser / scale, scored)
         finally:
             for p, m in zip(self.params, masters):
                 p.data = m
@@ -77,6 +77,9 @@ class MixedPrecisionRunner(Runner):
 
     def timing(self) -> dict | None:
         return self.runner.timing()  # a pipeline's, run in 16 bits
+
+    def correct_count(self) -> int | None:
+        return self.runner.correct_count()
 
     def log_record(self) -> dict | None:
         """The loss scale of the last step and whether it was skipped (fp16), for the train log."""

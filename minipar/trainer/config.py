@@ -119,8 +119,9 @@ class TrainConfig:
                                               "pipeline receive before the job ends (the watchdog; "
                                               "default: $MINIPAR_COLLECTIVE_TIMEOUT if set, else 600)",
                                               single_process=None)
-    check_reference: bool = option(False, "also run single-process on rank 0 and report the largest "
-                                   "deviation", single_process=False)
+    check_reference: bool = option(False, "also train on one process (rank 0) and compare: PASS or FAIL "
+                                   "(exit 1) over steps 1..min(20, steps), then the drift",
+                                   single_process=False)
     quiet: bool = option(False, "no progress lines or summary from rank 0 (errors still print)",
                          single_process=True)
 

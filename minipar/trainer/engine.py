@@ -30,19 +30,33 @@ class Engine:
         self.cfg, self.grid, self.model, self.runner, self.updater = cfg, grid, model, runner, updater
         self.loss_scaler = loss_scaler
         self.routing: dict | None = None  # --model moe: the last step's aux loss, tokens per expert
+        self.accuracy: float | None = None  # the last step's share of scored predictions that were right
 
     def normaliser(self, targets) -> int:
         """The global count the summed loss is divided by: tokens for the GPT, samples for the MLP."""
         return targets.size if self.cfg.is_gpt else len(targets)
 
-    def train_step(self, inputs, targets) -> float:
+    def train_step(self, inputs, targets, scored=None) -> float:
+        """`scored` (bool, targets' shape; None: every prediction): what `accuracy` counts (tasks.py)."""
         grid = self.grid
         mine = local_slice(len(inputs), grid.dp.size, grid.dp_rank)
         self.model.zero_grad()
-        loss = self.runner.forward_backward(inputs[mine], targets[mine], self.normaliser(targets))
+        loss = self.runner.forward_backward(inputs[mine], targets[mine], self.normaliser(targets),
+                                            None if scored is None else scored[mine])
         self.updater.step()
         self.routing = self.global_routing_stats()
+        self.accuracy = self.global_accuracy(targets.size if scored is None else int(scored.sum()))
         return self.global_loss(loss)
+
+    def global_accuracy(self, scored: int) -> float | None:
+        """The share of the global batch's scored predictions that are right: each rank's count of
+        them reduced the way the loss is (summed over the replicas on the last stage, then handed to
+        every stage). None where the runner does not count, or nothing was scored."""
+        correct = self.runner.correct_count()
+        if correct is None:
+            return None
+        correct = self.global_loss(correct)
+        return correct / scored if scored else None
 
     def global_routing_stats(self) -> dict | None:
         """--model moe: the load-balancing part of the step's loss and the tokens each block's
@@ -54,8 +68,9 @@ class Engine:
         return {"aux_loss": sum(a for a, _ in every),
                 "tokens_per_expert": np.sum([k for _, k in every], axis=0).tolist()}
 
-    def global_loss(self, local_loss) -> float:
-        """Sum the replicas' losses and hand the last stage's value to every rank.
+    def global_loss(self, local_loss):
+        """Sum the replicas' losses (or counts of right predictions) and hand the last stage's value
+        to every rank.
 
         These few bytes travel as uncharged control messages, so the traffic ledger shows only the
         technique's own communication."""

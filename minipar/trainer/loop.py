@@ -16,10 +16,10 @@ import numpy as np
 
 from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend
-from minipar.dist.comm import Comm, ProcessGrid, inject_fault, node_local_rank
+from minipar.dist.comm import Comm, ProcessGrid, fault_nudge, inject_fault, node_local_rank
 from minipar.dist.watchdog import set_collective_timeout
 from minipar.memory.ledger import MemoryLedger
-from minipar.trainer import build, report
+from minipar.trainer import build, reference, report
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.engine import assemble_full_state
 from minipar.trainer.tasks import AdditionTask, RegressionTask
@@ -75,6 +75,9 @@ class Trainer:
             changed = ", ".join(f"{key} {saved} -> {now}" for key, (saved, now) in self.changes.items())
             print(f"resumed with changes: {changed}", flush=True)
         self.log_error: str | None = None  # a failed write to --log: reported once the run is saved
+        # --check-reference: every weight after step min(20, steps), before training amplifies roundoff
+        self.snapshot_at = reference.horizon(cfg.steps) if cfg.check_reference else None
+        self.snapshot: dict | None = None
 
     @property
     def is_rank0(self) -> bool:
@@ -82,13 +85,17 @@ class Trainer:
 
     def step(self, step: int) -> dict:
         inject_fault(self.world.rank, f"at step {step}", step=step)  # MINIPAR_FAULT: tests that a job aborts
+        nudge = fault_nudge(self.world.rank, step)  # MINIPAR_FAULT=...,nudge:X: tests --check-reference
+        if nudge is not None:
+            first = self.engine.model.parameters()[0]  # this rank's copy (a layout that holds it whole)
+            first.data *= 1 + nudge
         cfg, traffic = self.cfg, self.world.ledger
         inputs, targets = self.task.global_batch(step, cfg.batch_size)
         traffic.start_step()
         self.memory.reset_peaks()
         backend.current().sync()
         started = time.perf_counter()
-        loss = self.engine.train_step(inputs, targets)
+        loss = self.engine.train_step(inputs, targets, self.task.answer_positions(inputs, targets))
         backend.current().sync()
         elapsed = time.perf_counter() - started
         for category, held in self.engine.updater.memory().items():
@@ -97,6 +104,7 @@ class Trainer:
         record = {
             "step": step,
             "loss": float(loss),
+            **({"accuracy": self.engine.accuracy} if self.engine.accuracy is not None else {}),
             "tokens_per_s": float((targets.size if cfg.is_gpt else len(targets)) / elapsed),
             "time_s": elapsed,
             "mem": self.memory.report(),
@@ -136,6 +144,8 @@ class Trainer:
                     self.say_budget(record)
                 self.progress(record)
                 done = step + 1
+                if done == self.snapshot_at:
+                    self.snapshot = self.full_state()  # a collective, like the final one
                 if self.cfg.save and self.cfg.save_every and done % self.cfg.save_every == 0 \
                         and done < self.cfg.steps:
                     self.save(done)
@@ -199,14 +209,21 @@ class Trainer:
         return assemble_full_state(pieces) if self.is_rank0 else None
 
 
-def reference_run(cfg: TrainConfig):
-    """The single-process run of the same steps: losses and final weights, computed on this rank."""
+def reference_trainer(cfg: TrainConfig, snapshot: bool = False) -> Trainer:
+    """The single-process run of the same steps, trained on this rank (with `snapshot`, it keeps the
+    weights of step min(20, steps) as --check-reference's run does)."""
     from mpi4py import MPI
 
-    trainer = Trainer(cfg.single_process(), MPI.COMM_SELF)
-    records = trainer.run()
+    trainer = Trainer(cfg.single_process().replace(check_reference=snapshot), MPI.COMM_SELF)
+    trainer.run()
     trainer.memory.close()
-    return [r["loss"] for r in records], trainer.engine.updater.local_state()
+    return trainer
+
+
+def reference_run(cfg: TrainConfig):
+    """The single-process run of the same steps: losses and final weights, computed on this rank."""
+    trainer = reference_trainer(cfg)
+    return [r["loss"] for r in trainer.records], trainer.engine.updater.local_state()
 
 
 def relative_deviation(value, reference) -> float:
@@ -226,6 +243,33 @@ def compare_with_reference(cfg: TrainConfig, records: list[dict], full: dict) ->
     return {"max_rel_loss_deviation": loss_dev, "max_rel_weight_deviation": weight_dev}
 
 
+def check_against_reference(cfg: TrainConfig, records: list[dict], snapshot: dict | None, full: dict) -> dict:
+    """--check-reference: the verdict up to step min(20, steps) and the drift after it (reference.py)."""
+    single = reference_trainer(cfg, snapshot=True)
+    losses = [r["loss"] for r in single.records]
+    final = {name: array for name, (_, array) in single.engine.updater.local_state().items()}
+    return reference.verdict(cfg.precision, records, losses, snapshot, single.snapshot, full, final,
+                             cfg.steps)
+
+
+def decoded_predictions(cfg: TrainConfig, full: dict, task, count: int = 4) -> list[str]:
+    """A few answers of the trained model (its full weights, on one process) to the batch after the
+    last step, which it has not trained on ("123+456=579, predicted 579")."""
+    from mpi4py import MPI
+
+    from minipar.core.autograd import no_grad
+
+    one = cfg.single_process()
+    model = build.build_model(one, ProcessGrid(Comm(MPI.COMM_SELF), 1, 1, 1, 1))
+    be = backend.current()
+    for name, parameter in model.named_parameters():
+        parameter.data[...] = be.from_host(full[name])
+    inputs, targets = task.global_batch(cfg.steps, cfg.batch_size)
+    with no_grad():
+        predicted = np.asarray(be.to_host(model(be.from_host(inputs)).data)).argmax(axis=-1)
+    return task.decoded_problems(inputs, targets, predicted)[:count]
+
+
 def train(cfg: TrainConfig, world=None) -> list[dict]:
     """Train under `world` (default COMM_WORLD) and return rank 0's records (other ranks: their own)."""
     from mpi4py import MPI
@@ -239,9 +283,14 @@ def train(cfg: TrainConfig, world=None) -> list[dict]:
     rank_rows = trainer.world.gather_obj({"rank": trainer.world.rank, "coords": trainer.grid.coords_of(
         trainer.world.rank), "mem": records[-1]["mem"] if records else {}})
     # the other ranks are done: rank 0 alone runs the single-process reference
-    check = compare_with_reference(cfg, records, full) if trainer.is_rank0 and cfg.check_reference else None
+    check = check_against_reference(cfg, records, trainer.snapshot, full) \
+        if trainer.is_rank0 and cfg.check_reference else None
     if trainer.is_rank0 and not cfg.quiet and records:
-        print(report.summary(cfg, records, rank_rows, check), flush=True)
+        samples = decoded_predictions(cfg, full, trainer.task) if full is not None and cfg.is_gpt else []
+        print(report.summary(cfg, records, rank_rows, check, samples), flush=True)
     if trainer.log_error:  # rank 0 only: after the checkpoint and the other ranks' last collective
         raise RunStopped(trainer.log_error)
+    if check and not check["passed"]:  # rank 0 only, like the log's failure: exit 1
+        raise RunStopped(f"--check-reference: FAIL, the layout deviates from one process by more than "
+                         f"{check['tolerance']:.1e} {cfg.precision} allows over steps 1..{check['horizon']}")
     return records

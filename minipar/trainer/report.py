@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from minipar.core.nn import MLPNet
 from minipar.trainer.build import chunked
+from minipar.trainer.reference import verdict_lines
 
 MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations_peak", "buffers_peak", "device_peak")
 
@@ -60,12 +62,23 @@ def pipeline_line(records: list[dict]) -> list[str]:
             f"formula {timings[-1].get('formula', '(K-1)/(M+K-1)')} = {formula:.3f}"]
 
 
+def accuracy_line(cfg, records: list[dict]) -> list[str]:
+    """What the accuracy counts (tasks.py's answer positions; nn.py's MLPNet tolerance), first and last."""
+    if "accuracy" not in records[-1] or "accuracy" not in records[0]:
+        return []
+    what = "answer digits predicted exactly" if cfg.is_gpt else \
+        f"outputs within {MLPNet.ACCURACY_TOLERANCE} of the target"
+    return [f"accuracy ({what}): first {records[0]['accuracy']:.3f}, last {records[-1]['accuracy']:.3f}"]
+
+
 def zero_stage(cfg) -> str:
     """Chunked offload is ZeRO-3 over chunks, whatever --zero said (0 or 3)."""
     return f"3 (chunked, offload {cfg.offload})" if chunked(cfg) else str(cfg.zero)
 
 
-def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None) -> str:
+def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None,
+            samples: list[str] = ()) -> str:
+    """`samples`: decoded predictions of the trained model (loop.py decoded_predictions), if any."""
     last = records[-1]
     rate = np.median([r["tokens_per_s"] for r in records[1:]] or [last["tokens_per_s"]])
     unit = "tokens/s" if cfg.is_gpt else "samples/s"
@@ -75,13 +88,15 @@ def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None)
         f"zero={zero_stage(cfg)} precision={cfg.precision} "
         f"microbatches={cfg.microbatches} schedule={cfg.schedule if cfg.pp > 1 else '-'}",
         f"loss: first {records[0]['loss']:.4f}, last {last['loss']:.4f} over {len(records)} steps",
+        *accuracy_line(cfg, records),
         f"speed: {rate:,.0f} {unit} (median over steps after the first)",
         *rank_memory_table(rank_rows),
         *comm_table(last["comm"]),
         *pipeline_line(records),
     ]
-    if check:
-        lines.append("check against one process: largest relative deviation, "
-                     f"loss {check['max_rel_loss_deviation']:.1e}, "
-                     f"weights {check['max_rel_weight_deviation']:.1e}")
+    if samples:
+        lines.append("predictions on a batch it did not train on (each answer digit given the ones before):")
+        lines += [f"  {sample}" for sample in samples]
+    if check:  # last: the verdict (and the drift where the run went past the steps it judges)
+        lines += verdict_lines(check, cfg.steps)
     return "\n".join(lines)

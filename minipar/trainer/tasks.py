@@ -4,7 +4,9 @@ The global batch of every step is a pure function of (seed, step), so any layout
 data-parallel ranks take fixed contiguous slices of it (`local_slice`). The addition task is small
 enough for a tiny GPT to learn visibly within a minute on a laptop CPU: "123+456=975\n" with the sum's
 digits written least-significant first, which is the order in which a left-to-right model can carry.
-Lesson: lessons/03_data_parallel.md.
+Accuracy (`answer_positions`, the log's `accuracy`) is counted on the answer digits only: the operands
+are random, so no model can predict them, while the sum's digits follow from what came before.
+Lesson: lessons/00_overview.md (what the model learns), lessons/03_data_parallel.md.
 """
 
 from __future__ import annotations
@@ -49,6 +51,38 @@ class AdditionTask:
         tokens = np.stack(rows)
         return tokens[:, :-1], tokens[:, 1:]
 
+    @staticmethod
+    def answer_positions(inputs, targets) -> np.ndarray:
+        """Where the target is a digit of a sum whose whole problem the window shows: the last
+        non-digit input up to that position is "=", and a newline comes before that "=" (so a
+        problem cut off at the window's start, whose operands the model cannot see, is not scored).
+        A pure function of the window's tokens: every layout scores the same positions."""
+        digit_in, digit_out = inputs < 10, targets < 10
+        position = np.arange(inputs.shape[1])
+        last_sign = np.maximum.accumulate(np.where(digit_in, -1, position), axis=1)  # -1: none yet
+        sign = np.take_along_axis(inputs, np.maximum(last_sign, 0), axis=1)
+        newline = inputs == ALPHABET.index("\n")
+        first_newline = np.where(newline.any(axis=1), newline.argmax(axis=1), inputs.shape[1])
+        return digit_out & (last_sign >= 0) & (sign == ALPHABET.index("=")) & \
+            (first_newline[:, None] < last_sign)
+
+
+    def decoded_problems(self, inputs, targets, predicted) -> list[str]:
+        """"123+456=579, predicted 579" for each problem whose answer the window shows whole, from the
+        predicted token at each answer position (given the true tokens before it). The sums are
+        shown in the usual order; the data writes them reversed."""
+        lines, width = [], self.digits + 1
+        scored = self.answer_positions(inputs, targets)
+        for row in range(len(inputs)):
+            starts = [t for t in range(inputs.shape[1]) if scored[row, t] and not (t and scored[row, t - 1])]
+            for t in starts:
+                if t + width <= inputs.shape[1] and scored[row, t:t + width].all():
+                    problem = decode(inputs[row, t - 2 * self.digits - 1:t])
+                    answer, guess = (decode(ids[row, t:t + width])[::-1].replace("\n", "⏎")
+                                     for ids in (targets, predicted))
+                    lines.append(f"{problem}={answer}, predicted {guess}")
+        return lines
+
 
 class RegressionTask:
     """Inputs x ~ N(0, 1) and targets tanh(x W) with a fixed random W: a smooth target an MLP fits."""
@@ -62,6 +96,11 @@ class RegressionTask:
         rng = np.random.default_rng([self.seed, step, 3])
         x = rng.standard_normal((batch_size, self.weight.shape[0]))
         return x.astype(self.dtype), np.tanh(2.0 * x @ self.weight).astype(self.dtype)
+
+    @staticmethod
+    def answer_positions(inputs, targets) -> None:
+        """Every output is scored (None: no mask)."""
+        return None
 
 
 def local_slice(batch_size: int, parts: int, index: int) -> slice:

@@ -162,7 +162,7 @@ class OneBatchRunner(Runner):
     def __init__(self, model):
         self.model = model
 
-    def forward_backward(self, inputs, targets, normaliser):
+    def forward_backward(self, inputs, targets, normaliser, scored=None):
         loss = self.model.loss(self.model(inputs), targets, normaliser)
         loss.backward()
         return loss.item()

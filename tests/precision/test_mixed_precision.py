@@ -90,9 +90,9 @@ class WeightSpyRunner(MicrobatchRunner):
     def spy_on_output(self, unit, args, output):
         return Spy.apply(output, self.seen)
 
-    def forward_backward(self, inputs, targets, normaliser):
+    def forward_backward(self, inputs, targets, normaliser, scored=None):
         self.weights = [p.data.copy() for p in self.model.parameters()]
-        return super().forward_backward(inputs, targets, normaliser)
+        return super().forward_backward(inputs, targets, normaliser, scored)
 
 
 @settings(max_examples=12, deadline=None)
