@@ -65,9 +65,10 @@ def measure_messages(ranks: int, chunk_mbs: list[float], steps: int, folder: Pat
     return rows
 
 
-def measure_offload(budgets: list[float], steps: int, folder: Path) -> list[dict]:
+def measure_offload(budgets: list[float], steps: int, folder: Path,
+                    tiers: tuple[str, ...] = ("cpu", "disk")) -> list[dict]:
     rows = []
-    for tier in ("cpu", "disk"):
+    for tier in tiers:
         for budget in budgets:
             for eviction in ("lru", "opt"):
                 args = [*OFFLOAD_ARGS, "--offload", tier, "--device-mem-mb", str(budget),

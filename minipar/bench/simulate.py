@@ -8,7 +8,7 @@ median time of an 8-byte and a 1 MiB all-reduce). Then each layout runs for real
 median step after the first) and is predicted with a machine of os.cpu_count() cores: ranks beyond
 the cores time-share them. Options: --steps N (default 6). `--plot FILE` instead draws Narayanan et
 al.'s Table 1 and their ZeRO-3 comparison, published against predicted (needs matplotlib, the `viz`
-extra): lessons/14_simulate.png.
+extra): lessons/figures/14_simulate.png.
 """
 
 from __future__ import annotations
