@@ -23,9 +23,9 @@ def test_the_simulated_bubble_is_gpipes_formula(schedule, stages):
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_the_alpha_beta_fit_recovers_alpha_and_beta_from_exact_times(ranks):
-    alpha, beta = 7.5e-6, 1 / 3.2e9  # 7.5 µs a step, 3.2 GB/s
+    alpha, beta = 7.5e-6, 3.2e9  # 7.5 µs a step, 3.2 GB/s
     sizes = np.array(allreduce.SIZES, dtype=float)
-    seconds = 2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * sizes * beta  # the ring's cost, by hand
+    seconds = 2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * sizes / beta  # the ring's cost, by hand
     fitted = allreduce.fit_alpha_beta(sizes, seconds, ranks)
     assert fitted == pytest.approx((alpha, beta), rel=1e-9)
     noisy = seconds * np.where(np.arange(len(sizes)) % 2, 1.02, 0.98)  # ±2%: the fit stays within a few %
