@@ -34,6 +34,8 @@ def read_log(path: Path) -> list[dict]:
 def curves(records: list[dict]) -> dict[str, list]:
     """{"step": [...], "loss": [...]} and "accuracy" where every record has that key; a loss the log
     wrote as null (not finite) is NaN, a gap in the line."""
+    if not records or not all("step" in r and "loss" in r for r in records):
+        raise ValueError("not a `minipar train --log` file: every line needs a step and a loss")
     series = {"step": [r["step"] for r in records],
               "loss": [float("nan") if r["loss"] is None else r["loss"] for r in records]}
     if records and all("accuracy" in r for r in records):

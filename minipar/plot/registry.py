@@ -37,6 +37,10 @@ def draw(name: str, argv: list[str]) -> Path:
 
 def main(argv) -> int:
     """Draw the figure argv[0] (or every one of FIGURES for "all", each with its defaults)."""
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: minipar plot {{{','.join(FIGURES)},all}} [--out DIR] [options]   "
+              "(minipar plot WHAT --help for details)")
+        return 0
     if not argv or argv[0] not in (*FIGURES, "all"):
         return fail("minipar plot", f"choose one of {', '.join(FIGURES)}, all")
     if argv[0] == "all":

@@ -93,8 +93,8 @@ def test_the_command_draws_each_figure_from_saved_inputs(tmp_path):
     log = write_log(tmp_path / "run.jsonl", [
         {"step": s, "loss": 2.0 - s / 10, "accuracy": s / 10,
          "pipeline": {"stages": 2, "microbatches": 2, "bubble_measured": 0.4, "stage_actions": [
-             [["F0", 0.0, 1.0], ["F1", 1.0, 2.0], ["B0", 4.0, 6.0], ["B1", 6.0, 8.0]],
-             [["F0", 1.0, 2.0], ["F1", 2.0, 3.0], ["B0", 3.0, 5.0], ["B1", 5.0, 7.0]]]}} for s in range(3)])
+             [["F0", 0.0, 1.0], ["F1", 1.0, 2.0], ["B1", 4.0, 6.0], ["B0", 6.0, 8.0]],
+             [["F0", 1.0, 2.0], ["F1", 2.0, 3.0], ["B1", 3.0, 5.0], ["B0", 5.0, 7.0]]]}} for s in range(3)])
     pp = tmp_path / "pp.json"
     pp.write_text(json.dumps({"stages": 2, "rows": [
         {"schedule": "1f1b", "microbatches": m, "bubble_measured": 1 / (m + 1)} for m in (1, 2, 4)]}))
@@ -130,3 +130,22 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
 def test_every_figure_is_a_file_with_its_png_name_and_a_docstring(name):
     module = importlib.import_module(f"minipar.plot.{name}")
     assert module.FILE.endswith(".png") and "Lesson: lessons/" in module.__doc__
+
+
+@pytest.mark.parametrize("schedule,microbatches,virtual", [
+    ("gpipe", 3, 1), ("1f1b", 4, 1), ("zb-h1", 3, 1), ("interleaved", 4, 2), ("naive", 1, 1)])
+def test_the_schedule_is_read_off_the_measured_actions(schedule, microbatches, virtual):
+    table = build_schedule(schedule, 2, microbatches, virtual)
+    timing = {"stages": 2, "microbatches": microbatches,
+              "stage_actions": [[[str(a), 0.0, 0.0] for a in actions] for actions in table]}
+    assert gantt.schedule_of(timing) == (schedule, virtual)
+    timing["stage_actions"][0].reverse()
+    with pytest.raises(ValueError, match="no schedule"):
+        gantt.schedule_of(timing)
+
+
+def test_a_pipeline_the_trainer_refuses_is_refused_before_any_run():
+    with pytest.raises(ValueError, match="at least 2"):
+        gantt.pipeline_args(1, "1f1b", 4)
+    with pytest.raises(ValueError):
+        gantt.pipeline_args(2, "1f1b", 5)  # 5 micro-batches do not divide the batch of 32
