@@ -1,4 +1,4 @@
-"""`python -m minipar train | plan | schedule | simulate | bench | plot` (also the console script `minipar`).
+"""`python -m minipar train | plan | schedule | simulate | bench` (also the console script `minipar`).
 
 The command line's front door, above every layer (bench included): it only dispatches. Bad input ends
 every rank with one line naming the problem and exit code 2, before any collective: every rank parses
