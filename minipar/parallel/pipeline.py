@@ -325,7 +325,7 @@ class PipelineRunner(Runner):
             "stage_backward_s": list(backward),
             "stage_busy_s": busy,
             "makespan_s": makespan,
-            "stage_actions": list(actions),  # per stage: [label, start, stop] in seconds
+            "stage_action_times_s": list(actions),  # per stage: [label, start, stop] in seconds
             "bubble_measured": 1.0 - sum(busy) / (self.stages * makespan),
             "bubble_formula": float(bubble_formula(self.stages, self.microbatches, self.virtual_stages,
                                                    self.split_backward)),

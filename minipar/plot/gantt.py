@@ -2,7 +2,7 @@
 simulator's placement of the same actions.
 
 Measured: `minipar train --pp K --schedule S --microbatches M` under mpiexec (or a log of one: --log);
-the pipeline runner notes every action's start and stop (the `stage_actions` of the log's `pipeline`
+the pipeline runner notes every action's start and stop (the `stage_action_times_s` of the log's `pipeline`
 record, parallel/pipeline.py), so the chart is the last step's real timeline, waits included.
 Simulated: parallel/schedules.py's `simulate` of the schedule the step ran (read off its actions'
 labels), a backward twice a forward (F = 1, B = 2; F = B = W = 1 where the backward is split).
@@ -54,7 +54,7 @@ def pipeline_records(stages: int, schedule: str, microbatches: int, steps: int) 
 def schedule_of(timing: dict) -> tuple[str, int]:
     """(schedule, V) whose per-stage action lists the measured step ran, read off the labels: the
     first of SCHEDULES that gives the same lists (at M = 1 GPipe and 1F1B are naive's)."""
-    labels = [[label for label, _, _ in actions] for actions in timing["stage_actions"]]
+    labels = [[label for label, _, _ in actions] for actions in timing["stage_action_times_s"]]
     chunks = {label.split(".")[1] for row in labels for label in row if "." in label}
     virtual = max(1, len(chunks))
     for name in SCHEDULES:
@@ -68,7 +68,7 @@ def schedule_of(timing: dict) -> tuple[str, int]:
 
 def measured_bars(timing: dict) -> list[tuple[int, str, float, float]]:
     """(stage, action, start, stop) in seconds from the step's common start, from a `pipeline` record."""
-    return [(stage, label, start, stop) for stage, actions in enumerate(timing["stage_actions"])
+    return [(stage, label, start, stop) for stage, actions in enumerate(timing["stage_action_times_s"])
             for label, start, stop in actions]
 
 
@@ -99,7 +99,7 @@ def draw_bars(ax, bars, stages: int, scale: float = 1.0) -> None:
 def draw(args, path: Path) -> None:
     if args.log:
         timings = [r["pipeline"] for r in read_log(args.log) if r.get("pipeline")]
-        if not timings or "stage_actions" not in timings[-1]:
+        if not timings or "stage_action_times_s" not in timings[-1]:
             raise ValueError(f"{args.log} has no pipeline actions (a log of `minipar train --pp K --log`)")
         timing = timings[-1]
     else:

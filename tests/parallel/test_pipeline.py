@@ -242,7 +242,7 @@ def test_pipeline_trains_to_the_single_process_losses_and_weights(comm, stages, 
     assert 0.0 < timing["busy_s"] <= timing["makespan_s"]
     # the measured Gantt chart: each stage's actions in its schedule's order, one after another within
     # the step, their durations adding up to the stage's busy time
-    for table, actions, busy in zip(build_schedule(schedule, stages, run), timing["stage_actions"],
+    for table, actions, busy in zip(build_schedule(schedule, stages, run), timing["stage_action_times_s"],
                                     timing["stage_busy_s"]):
         assert [label for label, _, _ in actions] == [str(action) for action in table]
         edges = [edge for _, start, stop in actions for edge in (start, stop)]

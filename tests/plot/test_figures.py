@@ -42,7 +42,7 @@ def test_simulated_bars_are_the_timeline_of_gpipe_written_out():
 
 
 def test_measured_bars_read_the_pipeline_record():
-    timing = {"stage_actions": [[["F0", 0.0, 0.25], ["B0", 0.5, 1.0]], [["F0", 0.25, 0.5]]]}
+    timing = {"stage_action_times_s": [[["F0", 0.0, 0.25], ["B0", 0.5, 1.0]], [["F0", 0.25, 0.5]]]}
     bars = gantt.measured_bars(timing)
     assert bars == [(0, "F0", 0.0, 0.25), (0, "B0", 0.5, 1.0), (1, "F0", 0.25, 0.5)]
     assert gantt.busy_share(bars, 2) == pytest.approx((0.25 + 0.5 + 0.25) / 2)
@@ -92,7 +92,7 @@ def write_log(path, records):
 def test_the_command_draws_each_figure_from_saved_inputs(tmp_path):
     log = write_log(tmp_path / "run.jsonl", [
         {"step": s, "loss": 2.0 - s / 10, "accuracy": s / 10,
-         "pipeline": {"stages": 2, "microbatches": 2, "bubble_measured": 0.4, "stage_actions": [
+         "pipeline": {"stages": 2, "microbatches": 2, "bubble_measured": 0.4, "stage_action_times_s": [
              [["F0", 0.0, 1.0], ["F1", 1.0, 2.0], ["B1", 4.0, 6.0], ["B0", 6.0, 8.0]],
              [["F0", 1.0, 2.0], ["F1", 2.0, 3.0], ["B1", 3.0, 5.0], ["B0", 5.0, 7.0]]]}} for s in range(3)])
     pp = tmp_path / "pp.json"
@@ -137,9 +137,9 @@ def test_every_figure_is_a_file_with_its_png_name_and_a_docstring(name):
 def test_the_schedule_is_read_off_the_measured_actions(schedule, microbatches, virtual):
     table = build_schedule(schedule, 2, microbatches, virtual)
     timing = {"stages": 2, "microbatches": microbatches,
-              "stage_actions": [[[str(a), 0.0, 0.0] for a in actions] for actions in table]}
+              "stage_action_times_s": [[[str(a), 0.0, 0.0] for a in actions] for actions in table]}
     assert gantt.schedule_of(timing) == (schedule, virtual)
-    timing["stage_actions"][0].reverse()
+    timing["stage_action_times_s"][0].reverse()
     with pytest.raises(ValueError, match="no schedule"):
         gantt.schedule_of(timing)
 
