@@ -1,4 +1,4 @@
-# minipar: make test | make demo | make bench | make lint | make lessons | make multinode
+# minipar: make test | make demo | make bench | make figures | make lint | make lessons | make multinode
 # Every target builds .venv first if needed, and reinstalls only when pyproject.toml changed.
 
 SHELL := /bin/bash
@@ -17,7 +17,7 @@ export MKL_NUM_THREADS ?= 1
 START := $(shell date +%s)
 say = echo "[make] $(1): $$(( $$(date +%s) - $(2) )) s"
 
-.PHONY: test demo bench lint lessons setup multinode
+.PHONY: test demo bench figures lint lessons setup multinode
 
 setup: $(INSTALLED)
 
@@ -56,6 +56,11 @@ multinode: $(INSTALLED)
 
 bench: $(INSTALLED)
 	$(PYTHON) -m minipar bench all
+
+# Every picture the lessons embed, redrawn from short fresh runs (minipar/plot; under a minute).
+figures: $(INSTALLED)
+	@t=$$(date +%s); $(PYTHON) -m minipar plot all --out lessons/figures; s=$$?; \
+	  $(call say,figures,$$t); exit $$s
 
 # ruff (style), lint-imports (imports point down the layers, no cycles inside one: [tool.importlinter]) and
 # mypy (core, dist, parallel: [tool.mypy]). All three run even when one fails, so one pass shows everything.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from minipar.bench import registry
+from minipar.plot import registry as plot_registry
 from minipar.trainer import commands
 from minipar.trainer.arguments import fail
 
@@ -19,6 +20,7 @@ COMMANDS = {
     "schedule": commands.schedule_main,
     "simulate": commands.simulate_main,
     "bench": registry.main,
+    "plot": plot_registry.main,
 }
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from minipar.bench import torch_gpt
 from minipar.bench.profile import MODELS
-from minipar.bench.timing import median_seconds, round_times
+from minipar.bench.timing import Progress, plus_minus, round_times, spread
 from minipar.core import functional as F
 from minipar.core import nn, optim
 from minipar.trainer.tasks import AdditionTask
@@ -79,10 +79,13 @@ def autograd_figures(batch: int, width: int, layers: int, repeats: int, with_tor
     figures = {
         "mlp": {"batch": batch, "width": width, "layers": layers},
         "hand_numpy_s": float(np.median(times["hand"])),
+        "hand_numpy_s_spread": spread(times["hand"])[1],  # half the interquartile range of the rounds
         "minipar_s": float(np.median(times["minipar"])),
+        "minipar_s_spread": spread(times["minipar"])[1],
         "overhead_ratio": float(np.median(times["minipar"] / times["hand"])),
-        "gpt_step_s": median_seconds(gpt_step, max(3, repeats // 4)),
     }
+    figures["gpt_step_s"], figures["gpt_step_s_spread"] = spread(
+        round_times({"gpt": gpt_step}, max(3, repeats // 4))["gpt"])
     if "torch" in times:
         figures["torch_mlp_s"] = float(np.median(times["torch"]))
         figures["mlp_torch_ratio"] = float(np.median(times["minipar"] / times["torch"]))
@@ -95,9 +98,10 @@ TORCH_MODELS = MODELS  # the default and the wide GPT, as bench profile has them
 def torch_figures(repeats: int, batch: int = 16) -> dict:
     """minipar's GPT step against PyTorch's, alternating, for each of TORCH_MODELS in fp32 and fp64:
     medians, the median per-round ratio minipar / PyTorch and its spread (the rounds' quartiles)."""
-    figures = {}
+    figures, progress = {}, Progress("autograd", 2 * len(TORCH_MODELS))
     for name, base in TORCH_MODELS.items():
         for dtype in ("float32", "float64"):
+            progress(f"{name} GPT in {dtype}: minipar against PyTorch")
             cfg = nn.GPTConfig(block_size=base.block_size, d_model=base.d_model, dtype=dtype)
             tokens, targets = AdditionTask(cfg.block_size, 0).global_batch(0, batch)
             mine = torch_gpt.MiniparGPTStep(cfg, tokens, targets)
@@ -150,11 +154,12 @@ def main(argv) -> int:
         print(json.dumps(r))
         return 0
     print(f"MLP {args.layers} x {args.width}, batch {args.batch}, fp64, forward+backward, "
-          f"median of {args.repeats} alternating rounds")
-    print(f"  hand-written NumPy   {r['hand_numpy_s'] * 1e3:8.2f} ms")
-    print(f"  minipar autograd     {r['minipar_s'] * 1e3:8.2f} ms")
+          f"median of {args.repeats} alternating rounds ± half the interquartile range")
+    print(f"  hand-written NumPy   {plus_minus(r['hand_numpy_s'], r['hand_numpy_s_spread'], 1e3, 2):>15} ms")
+    print(f"  minipar autograd     {plus_minus(r['minipar_s'], r['minipar_s_spread'], 1e3, 2):>15} ms")
     print(f"  overhead ratio       {r['overhead_ratio']:8.3f}x")
-    print(f"GPT (default config) training step: {r['gpt_step_s'] * 1e3:.1f} ms")
+    gpt_step = plus_minus(r["gpt_step_s"], r["gpt_step_s_spread"], 1e3)
+    print(f"GPT (default config) training step: {gpt_step} ms")
     if missing:
         print(f"PyTorch comparison skipped: {missing}")
     else:

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from minipar.bench.table import right_aligned
-from minipar.bench.timing import median, run_train
+from minipar.bench.timing import SPREAD, Progress, plus_minus, run_train, spread
 from minipar.parallel.context import chunks_of, ring_attention_bytes
 from minipar.trainer.arguments import parse_train_args
 from minipar.trainer.validate import validate
@@ -41,16 +41,20 @@ def measure(sizes: list[int], steps: int, warmup: int, repeats: int, train_args:
     kept: dict[int, list] = {cp: [] for cp in sizes}
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "train.jsonl"
-        for _ in range(repeats):  # interleaved, so a change in the machine's load hits every cp alike
+        progress = Progress("context", repeats * len(sizes))
+        for repeat in range(repeats):  # interleaved, so a change in the machine's load hits every cp alike
             for cp in sizes:
+                progress(f"cp={cp} (repeat {repeat + 1})")
                 args = [*train_args, "--cp", str(cp), "--dp", "1", "--steps", str(steps)]
                 kept[cp] += run_train(cp * cfg.tp, args, log)[warmup:]
     rows = []
     for cp, records in kept.items():
         by_dim = records[-1]["comm"].get("by_dim", {})
+        tokens, tokens_spread = spread(records, lambda r: r["tokens_per_s"])
         rows.append({
             "cp": cp,
-            "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
+            "tokens_per_s": tokens,
+            "tokens_per_s_spread": tokens_spread,  # half the interquartile range, over steps and repeats
             "activations_peak": records[-1]["mem"]["activations_peak"],
             "cp_bytes": by_dim.get("cp", 0),
             "cp_formula_bytes": ring_formula(cfg, cp),
@@ -63,7 +67,7 @@ def measure(sizes: list[int], steps: int, warmup: int, repeats: int, train_args:
 
 COLUMNS = [
     ("cp", lambda r: r["cp"]),
-    ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
+    ("tokens/s", lambda r: plus_minus(r["tokens_per_s"], r["tokens_per_s_spread"], digits=0)),
     ("activations B", lambda r: f"{r['activations_peak']:,}"),
     ("vs cp=1", lambda r: f"{r['activations_ratio']:.3f}"),
     ("cp ring B/step", lambda r: f"{r['cp_bytes']:,}"),
@@ -76,7 +80,8 @@ def render(figures: dict, warmup: int) -> str:
     return "\n".join(
         [f"minipar train {' '.join(figures['train_args']) or '(default options)'} --cp C --dp 1   "
          "(rank 0's figures)",
-         f"medians over {figures['repeats']} interleaved runs of each cp, after {warmup} warm-up steps"]
+         f"medians over {figures['repeats']} interleaved runs of each cp, after {warmup} warm-up steps; "
+         f"a ± b: {SPREAD}"]
         + right_aligned(figures["rows"], COLUMNS)
         + ["formula: per layer and micro-batch (C-1) x 2S forward, (C-1) x 4S + 2S backward, "
            "S = batch * T/C * d_model/tp * itemsize"])

@@ -26,7 +26,17 @@ from pathlib import Path
 import numpy as np
 
 from minipar.bench.table import right_aligned
-from minipar.bench.timing import median, median_seconds, run_mpi, run_train, run_train_concurrently
+from minipar.bench.timing import (
+    SPREAD,
+    Progress,
+    median,
+    median_seconds,
+    plus_minus,
+    run_mpi,
+    run_train,
+    run_train_concurrently,
+    spread,
+)
 from minipar.core.nn import GPT, MLPNet
 from minipar.trainer.arguments import parse_train_args
 from minipar.trainer.build import model_config
@@ -90,16 +100,20 @@ def measure(sizes: list[int], steps: int, warmup: int, repeats: int, train_args:
     grad_bytes = gradient_bytes(args)
     # the records after warm-up of every repeat, and the all-reduce probe's times
     kept: dict[tuple, list] = {(kind, n): [] for kind in (*WAYS, "ceiling", "all_reduce") for n in sizes}
+    progress = Progress("dp", repeats * sum(1 if n == 1 else len(WAYS) + 2 for n in sizes))
     with tempfile.TemporaryDirectory() as folder:
-        for _ in range(repeats):  # interleaved, so that a change in the machine's load hits every run alike
+        for repeat in range(repeats):  # interleaved: a change in the machine's load hits every run alike
             for n in sizes:
                 for way, (extra_args, extra_env) in WAYS.items() if n > 1 else [("overlap", ([], {}))]:
+                    progress(f"dp={n} {way if n > 1 else 'one process'} (repeat {repeat + 1})")
                     log = Path(folder) / f"{way}.jsonl"
                     kept[way, n] += run_train(n, [*args, *extra_args], log, extra_env)[warmup:]
                 if n > 1:
+                    progress(f"dp={n} ceiling: {n} independent processes (repeat {repeat + 1})")
                     share = [*args, "--batch-size", str(batch // n)]
                     for records in run_train_concurrently(n, share, Path(folder)):
                         kept["ceiling", n] += records[warmup:]
+                    progress(f"dp={n} one all-reduce of the gradient (repeat {repeat + 1})")
                     probe = ["-m", "minipar.bench.dp", "--all-reduce-seconds", str(grad_bytes)]
                     kept["all_reduce", n].append(float(run_mpi(n, probe)))
     rows = [size_row(n, kept, grad_bytes) for n in sizes]
@@ -117,12 +131,17 @@ def measure(sizes: list[int], steps: int, warmup: int, repeats: int, train_args:
 def size_row(n: int, kept: dict, grad_bytes: int) -> dict:
     """The medians of one data-parallel size; at N = 1 every way is the one plain run."""
     records = kept["overlap", n]
+    (tokens, tokens_spread), (step, step_spread) = (spread(records, lambda r: r["tokens_per_s"]),
+                                                    spread(records, lambda r: r["time_s"]))
     row = {
         "dp": n,
-        "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
-        "step_s": median(records, lambda r: r["time_s"]),
+        "tokens_per_s": tokens,
+        "tokens_per_s_spread": tokens_spread,  # half the interquartile range, over steps and repeats
+        "step_s": step,
+        "step_s_spread": step_spread,
         "ceiling_step_s": median(kept["ceiling", n] or records, lambda r: r["time_s"]),
         "all_reduce_s": median(kept["all_reduce", n]) if n > 1 else 0.0,
+        "all_reduce_s_spread": spread(kept["all_reduce", n])[1] if n > 1 else 0.0,
         "sent_bytes_per_step": int(median(records, lambda r: r["comm"]["sent_bytes"])),
         "messages_per_step": int(median(records, lambda r: r["comm"]["messages"])),
         "ring_formula_bytes": 2 * (n - 1) * grad_bytes / n,
@@ -136,14 +155,14 @@ def size_row(n: int, kept: dict, grad_bytes: int) -> dict:
 
 COLUMNS = [  # (header, how to show a row's figure)
     ("dp", lambda r: r["dp"]),
-    ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
+    ("tokens/s", lambda r: plus_minus(r["tokens_per_s"], r["tokens_per_s_spread"], digits=0)),
     ("overlap", lambda r: f"{r['overlap_speedup']:.2f}x"),
     ("async", lambda r: f"{r['async_speedup']:.2f}x"),
     ("blocking", lambda r: f"{r['blocking_speedup']:.2f}x"),
     ("ceiling", lambda r: f"{r['ceiling_speedup']:.2f}x"),
-    ("step ms", lambda r: f"{r['step_s'] * 1e3:.1f}"),
+    ("step ms", lambda r: plus_minus(r["step_s"], r["step_s_spread"], 1e3)),
     ("wait ms o/a/b", lambda r: "/".join(f"{r[f'{way}_comm_wait_s'] * 1e3:.1f}" for way in WAYS)),
-    ("all-reduce G ms", lambda r: f"{r['all_reduce_s'] * 1e3:.2f}"),
+    ("all-reduce G ms", lambda r: plus_minus(r["all_reduce_s"], r["all_reduce_s_spread"], 1e3, 2)),
     ("sent B/step", lambda r: r["sent_bytes_per_step"]),
     ("2(N-1)/N*grad B", lambda r: f"{r['ring_formula_bytes']:.0f}"),
     ("messages", lambda r: r["messages_per_step"]),
@@ -155,7 +174,7 @@ def render(figures: dict, warmup: int) -> str:
     return "\n".join(
         [f"minipar train {' '.join(figures['train_args'])}",
          f"same global batch of {figures['global_batch']} for every dp; medians over {figures['repeats']} "
-         f"interleaved runs of each, after {warmup} warm-up steps",
+         f"interleaved runs of each, after {warmup} warm-up steps; a ± b: {SPREAD}",
          f"gradient bytes {figures['gradient_bytes']}"]
         + right_aligned(figures["rows"], COLUMNS)
         + ["speed-ups over dp=1 of DDP's three ways: overlap (all-reduces start in backward, progress "

@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 from minipar import fusion as fx
-from minipar.bench.timing import alternating_medians
+from minipar.bench.timing import SPREAD, plus_minus, round_times, spread
 from minipar.fusion.fuse import fuse
 from minipar.fusion.interpret import run
 from minipar.fusion.ir import array
@@ -87,9 +87,11 @@ def bench_adamw(size: int, repeats: int, tile: int) -> dict:
 
 
 def _rows(works: dict, repeats: int) -> dict:
-    """One row per callable: median seconds (the callables timed in alternating rounds, so that a busy
-    machine slows them alike and their ratios stay honest), and kernels and bytes where it returns Stats."""
-    rows = {name: dict(seconds=s) for name, s in alternating_medians(works, repeats).items()}
+    """One row per callable: median seconds and their spread (the callables timed in alternating rounds,
+    so that a busy machine slows them alike and their ratios stay honest), and kernels and bytes where
+    it returns Stats."""
+    rows = {name: dict(zip(("seconds", "seconds_spread"), spread(times)))
+            for name, times in round_times(works, repeats).items()}
     for name, work in works.items():
         stats = work()
         if hasattr(stats, "kernels"):
@@ -98,13 +100,15 @@ def _rows(works: dict, repeats: int) -> dict:
 
 
 def _table(results: dict, size: int, repeats: int, tile: int) -> str:
-    lines = [f"fusion benchmark: {size:,} float32 values, median of {repeats} runs, tile {tile:,} elements",
-             f"{'workload':<10}{'mode':<8}{'kernels':>8}{'MB moved':>11}{'median ms':>11}"]
+    lines = [f"fusion benchmark: {size:,} float32 values, median of {repeats} runs, tile {tile:,} elements; "
+             f"ms: {SPREAD}",
+             f"{'workload':<10}{'mode':<8}{'kernels':>8}{'MB moved':>11}{'ms':>16}"]
     for workload, rows in results.items():
         for mode, row in rows.items():
             kernels = row.get("kernels", "")
             moved = f"{row['bytes_moved'] / 1e6:.1f}" if "bytes_moved" in row else ""
-            lines.append(f"{workload:<10}{mode:<8}{kernels:>8}{moved:>11}{row['seconds'] * 1e3:>11.1f}")
+            ms = plus_minus(row["seconds"], row["seconds_spread"], 1e3)
+            lines.append(f"{workload:<10}{mode:<8}{kernels:>8}{moved:>11}{ms:>16}")
     for workload, rows in results.items():
         eager, fused = rows["eager"], rows["fused"]
         floor = ""

@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 from minipar.bench import fusion as fusion_bench
-from minipar.bench.timing import median, median_seconds
+from minipar.bench.timing import SPREAD, plus_minus, round_times, spread
 from minipar.core import backend, optim
 from minipar.fusion import training as fused_training
 from minipar.fusion.interpret import run
@@ -55,8 +55,10 @@ def deviation(run: dict, reference: dict) -> dict:
     return {"loss": losses, "weight": weights}
 
 
-def median_step_ms(run: dict) -> float:
-    return 1e3 * median(run["step_s"][1:] or run["step_s"])
+def step_ms(run: dict) -> tuple[float, float]:
+    """The median step in milliseconds after step 0 (which compiles kernels), and its spread."""
+    middle, half_range = spread(run["step_s"][1:] or run["step_s"])
+    return 1e3 * middle, 1e3 * half_range
 
 
 def compare_backends(cfg: TrainConfig) -> dict:
@@ -66,17 +68,20 @@ def compare_backends(cfg: TrainConfig) -> dict:
     backend.set_backend("numpy")
     return {"precision": cfg.precision, "fused": cfg.fused, "deviation": deviation(on_cupy, on_numpy),
             "tolerance": TOLERANCE[cfg.precision],
-            "numpy_ms": median_step_ms(on_numpy), "cupy_ms": median_step_ms(on_cupy)}
+            **dict(zip(("numpy_ms", "numpy_ms_spread"), step_ms(on_numpy))),
+            **dict(zip(("cupy_ms", "cupy_ms_spread"), step_ms(on_cupy)))}
 
 
-def median_ms(work, repeats: int, sync) -> float:
+def median_ms(work, repeats: int, sync) -> tuple[float, float]:
     """Median milliseconds of work(), device work included (sync waits for it), after one untimed
-    warm-up that compiles the kernels."""
-    return 1e3 * median_seconds(work, repeats, sync)
+    warm-up that compiles the kernels, and their spread (half the interquartile range)."""
+    middle, half_range = spread(round_times({"work": work}, repeats, sync)["work"])
+    return 1e3 * middle, 1e3 * half_range
 
 
 def fused_kernel_times(size: int, repeats: int) -> dict:
-    """Milliseconds of the chain and of AdamW: NumPy, the GPU one kernel per op, the GPU fused."""
+    """Milliseconds of the chain and of AdamW (NumPy, the GPU one kernel per op, the GPU fused): medians
+    under "ms", their spreads under "ms_spread"."""
     cupy = backend.set_backend("cupy").xp
     sync = backend.current().sync
     rng = np.random.default_rng(0)
@@ -98,7 +103,9 @@ def fused_kernel_times(size: int, repeats: int) -> dict:
                                          repeats, sync)},
     }
     backend.set_backend("numpy")
-    return times
+    medians = {workload: {way: ms for way, (ms, _) in ways.items()} for workload, ways in times.items()}
+    spreads = {workload: {way: half for way, (_, half) in ways.items()} for workload, ways in times.items()}
+    return {"ms": medians, "ms_spread": spreads}
 
 
 def measure(args) -> dict:
@@ -107,27 +114,32 @@ def measure(args) -> dict:
                  for p in ("fp64", "fp32") for f in (False, True)]
     wide = compare_backends(default.replace(precision="fp32", **WIDE))
     return {"steps": args.steps, "agreement": agreement, "wide": {**wide, "config": WIDE},
-            "fused_kernels": {"size": args.size, "ms": fused_kernel_times(args.size, args.repeats)}}
+            "fused_kernels": {"size": args.size, **fused_kernel_times(args.size, args.repeats)}}
 
 
 def report(result: dict) -> str:
     lines = [f"GPT trained {result['steps']} steps on NumPy and on CuPy (one process, one GPU); "
-             "median step time leaves out step 0",
+             f"median step time leaves out step 0; ms: {SPREAD}",
              f"{'model':<8}{'precision':<10}{'fused':<7}{'max rel loss dev':>17}{'tolerance':>10}"
-             f"{'numpy ms':>10}{'cupy ms':>9}{'numpy/cupy':>11}"]
+             f"{'numpy ms':>15}{'cupy ms':>14}{'numpy/cupy':>11}"]
     rows = [("default", row) for row in result["agreement"]] + [("wide", result["wide"])]
     for model, row in rows:
         lines.append(f"{model:<8}{row['precision']:<10}{'yes' if row['fused'] else 'no':<7}"
-                     f"{row['deviation']['loss']:>17.2e}{row['tolerance']:>10.0e}{row['numpy_ms']:>10.1f}"
-                     f"{row['cupy_ms']:>9.1f}{row['numpy_ms'] / row['cupy_ms']:>10.1f}x")
+                     f"{row['deviation']['loss']:>17.2e}{row['tolerance']:>10.0e}"
+                     f"{plus_minus(row['numpy_ms'], row['numpy_ms_spread']):>15}"
+                     f"{plus_minus(row['cupy_ms'], row['cupy_ms_spread']):>14}"
+                     f"{row['numpy_ms'] / row['cupy_ms']:>10.1f}x")
     lines.append(f"wide = {', '.join(f'{k} {v}' for k, v in WIDE.items())}")
     kernels = result["fused_kernels"]
-    lines.append(f"fused kernels, {kernels['size']:,} float32 values, median ms "
+    lines.append(f"fused kernels, {kernels['size']:,} float32 values, ms: {SPREAD} "
                  "(numpy: one operation at a time on the CPU)")
-    lines.append(f"{'workload':<10}{'numpy':>9}{'gpu per op':>12}{'gpu fused':>11}{'numpy/fused':>13}"
+    lines.append(f"{'workload':<10}{'numpy':>16}{'gpu per op':>18}{'gpu fused':>18}{'numpy/fused':>13}"
                  f"{'per op/fused':>14}")
     for workload, ms in kernels["ms"].items():
-        lines.append(f"{workload:<10}{ms['numpy']:>9.2f}{ms['gpu_per_op']:>12.3f}{ms['gpu_fused']:>11.3f}"
+        spreads = kernels["ms_spread"][workload]
+        lines.append(f"{workload:<10}{plus_minus(ms['numpy'], spreads['numpy'], digits=2):>16}"
+                     f"{plus_minus(ms['gpu_per_op'], spreads['gpu_per_op'], digits=3):>18}"
+                     f"{plus_minus(ms['gpu_fused'], spreads['gpu_fused'], digits=3):>18}"
                      f"{ms['numpy'] / ms['gpu_fused']:>12.0f}x{ms['gpu_per_op'] / ms['gpu_fused']:>13.1f}x")
     return "\n".join(lines)
 

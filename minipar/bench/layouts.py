@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from minipar.bench.table import right_aligned
-from minipar.bench.timing import median, run_train
+from minipar.bench.timing import SPREAD, Progress, median, plus_minus, run_train, spread
 from minipar.trainer.arguments import parse_train_args
 from minipar.trainer.validate import validate
 
@@ -36,9 +36,11 @@ def measure_layout(ranks, layout, steps, warmup, zero, train_args, folder) -> di
     last = records[-1]
     by_dim = last["comm"].get("by_dim", {})
     bubbles = [r["pipeline"]["bubble_measured"] for r in records if r.get("pipeline")]
+    tokens, tokens_spread = spread(records, lambda r: r["tokens_per_s"])
     return {
         "dp": dp, "pp": pp, "tp": tp,
-        "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
+        "tokens_per_s": tokens,
+        "tokens_per_s_spread": tokens_spread,  # half the interquartile range, over the steps
         "model_states": last["mem"]["params"] + last["mem"]["grads"] + last["mem"]["optimizer"],
         "activations_peak": last["mem"]["activations_peak"],
         "dp_bytes": by_dim.get("dp", 0), "pp_bytes": by_dim.get("pp", 0), "tp_bytes": by_dim.get("tp", 0),
@@ -50,7 +52,7 @@ COLUMNS = [  # (header, how to show a row's figure)
     ("dp", lambda r: r["dp"]),
     ("pp", lambda r: r["pp"]),
     ("tp", lambda r: r["tp"]),
-    ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
+    ("tokens/s", lambda r: plus_minus(r["tokens_per_s"], r["tokens_per_s_spread"], digits=0)),
     ("model states B", lambda r: f"{r['model_states']:,}"),
     ("activations B", lambda r: f"{r['activations_peak']:,}"),
     ("dp B/step", lambda r: f"{r['dp_bytes']:,}"),
@@ -86,11 +88,15 @@ def main(argv) -> int:
         else:
             layouts.append((dp, pp, tp))
     with tempfile.TemporaryDirectory() as folder:
-        rows = [measure_layout(args.ranks, layout, args.steps, args.warmup, args.zero, train_args, folder)
-                for layout in layouts]
+        progress = Progress("layouts", len(layouts))
+        rows = []
+        for layout in layouts:
+            progress("dp={} pp={} tp={}".format(*layout))
+            rows.append(measure_layout(args.ranks, layout, args.steps, args.warmup, args.zero, train_args,
+                                       folder))
     header = (f"{args.ranks} ranks, minipar train {' '.join(train_args)} --zero {args.zero}; "
               "rank 0's figures, "
-              f"medians over {args.steps - args.warmup} steps after {args.warmup} warm-up")
+              f"medians over {args.steps - args.warmup} steps after {args.warmup} warm-up; a ± b: {SPREAD}")
     if skipped and not args.json:
         header += "\nnot possible with this model:\n" + "\n".join(skipped)
     print(json.dumps(rows) if args.json else render(rows, header), flush=True)

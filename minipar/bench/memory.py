@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from minipar.bench.table import right_aligned
-from minipar.bench.timing import median, run_train
+from minipar.bench.timing import SPREAD, Progress, median, plus_minus, run_train, spread
 from minipar.memory.chunks import chunk_padding
 from minipar.memory.offload import MiB
 from minipar.parallel.zero_chunked import chunk_numel_for, tensor_sizes
@@ -45,11 +45,17 @@ def chunk_layout(train_args: list[str], ranks: int) -> tuple[int, int, int]:
     return numel, (sum(sizes) + padding) // numel, padding
 
 
+def step_figures(records: list[dict]) -> dict:
+    """The median step time and its spread (half the interquartile range) over the records."""
+    return dict(zip(("step_s", "step_s_spread"), spread(records, lambda r: r["time_s"])))
+
+
 def measure_messages(ranks: int, chunk_mbs: list[float], steps: int, folder: Path) -> list[dict]:
     runs = [("per-unit ZeRO-3", ["--zero", "3"]), ("chunks, searched size", ["--device-mem-mb", "1024"])]
     runs += [(f"chunks of {mb:g} MiB", ["--chunk-mb", str(mb)]) for mb in chunk_mbs]
-    rows = []
+    rows, progress = [], Progress("memory", len(runs))
     for name, extra in runs:
+        progress(f"dp={ranks} {name}")
         args = [*MESSAGES_ARGS, *extra, "--dp", str(ranks), "--steps", str(steps)]
         after_first = run_train(ranks, args, folder / "messages.jsonl")[1:]
         row = {"engine": name, "args": extra,
@@ -58,18 +64,20 @@ def measure_messages(ranks: int, chunk_mbs: list[float], steps: int, folder: Pat
                "buffers_peak": int(median(after_first, lambda r: r["mem"]["buffers_peak"])),
                "buffer_allocations": int(median(after_first, lambda r: r["mem"]["buffer_allocations"])),
                "buffer_sizes": int(median(after_first, lambda r: r["mem"]["buffer_sizes"])),
-               "step_s": median(after_first, lambda r: r["time_s"])}
+               **step_figures(after_first)}
         if extra[0] != "--zero":
             row["chunk_numel"], row["chunks"], row["padding"] = chunk_layout(args, ranks)
         rows.append(row)
     return rows
 
 
-def measure_offload(budgets: list[float], steps: int, folder: Path) -> list[dict]:
-    rows = []
-    for tier in ("cpu", "disk"):
+def measure_offload(budgets: list[float], steps: int, folder: Path,
+                    tiers: tuple[str, ...] = ("cpu", "disk")) -> list[dict]:
+    rows, progress = [], Progress("memory", len(tiers) * len(budgets) * 2)
+    for tier in tiers:
         for budget in budgets:
             for eviction in ("lru", "opt"):
+                progress(f"offload {tier} budget {budget:g} MiB {eviction}")
                 args = [*OFFLOAD_ARGS, "--offload", tier, "--device-mem-mb", str(budget),
                         "--eviction", eviction, "--steps", str(steps)]
                 records = run_train(1, args, folder / "offload.jsonl")
@@ -82,7 +90,7 @@ def measure_offload(budgets: list[float], steps: int, folder: Path) -> list[dict
                     **{k: int(median(after_first, lambda r, k=k: r["offload"][k]))
                        for k in ("fetches", "prefetches", "evictions")},
                     "device_peak_mb": max(r["mem"]["device_peak"] for r in records) / MiB,
-                    "step_s": median(after_first, lambda r: r["time_s"]),
+                    **step_figures(after_first),
                 })
     return rows
 
@@ -96,7 +104,7 @@ MESSAGE_COLUMNS = [
     ("sent B/step", lambda r: r["sent_bytes"]),
     ("buffers peak B", lambda r: r["buffers_peak"]),
     ("buffer allocs (sizes)", lambda r: f"{r['buffer_allocations']} ({r['buffer_sizes']})"),
-    ("step s", lambda r: f"{r['step_s']:.3f}"),
+    ("step s", lambda r: plus_minus(r["step_s"], r["step_s_spread"], digits=3)),
 ]
 OFFLOAD_COLUMNS = [
     ("tier", lambda r: r["tier"]),
@@ -108,14 +116,14 @@ OFFLOAD_COLUMNS = [
     ("prefetches", lambda r: r["prefetches"]),
     ("evictions", lambda r: r["evictions"]),
     ("device peak MiB", lambda r: f"{r['device_peak_mb']:.3f}"),
-    ("step s", lambda r: f"{r['step_s']:.3f}"),
+    ("step s", lambda r: plus_minus(r["step_s"], r["step_s_spread"], digits=3)),
 ]
 
 
 def render(figures: dict) -> str:
     messages = f"minipar train {' '.join(MESSAGES_ARGS)} --dp {figures['ranks']} (the default GPT)"
     offload = f"minipar train {' '.join(OFFLOAD_ARGS)} --offload TIER --device-mem-mb B --eviction E"
-    return "\n".join([messages + ", medians after step 0"]
+    return "\n".join([messages + f", medians after step 0; a ± b: {SPREAD}"]
                      + right_aligned(figures["messages"], MESSAGE_COLUMNS)
                      + ["", offload + " (one rank)"] + right_aligned(figures["offload"], OFFLOAD_COLUMNS))
 

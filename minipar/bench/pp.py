@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from minipar.bench.table import right_aligned
-from minipar.bench.timing import median, run_train
+from minipar.bench.timing import SPREAD, Progress, plus_minus, run_train, spread
 from minipar.trainer.arguments import parse_train_args
 from minipar.trainer.validate import validate
 
@@ -41,8 +41,10 @@ def measure(stages: int, microbatches: list[int], steps: int, warmup: int, repea
             train_args: list[str]) -> dict:
     kept = {run: [] for run in runs(microbatches)}  # records after warm-up, all repeats
     with tempfile.TemporaryDirectory() as folder:
-        for _ in range(repeats):  # interleaved, so that a change in the machine's load hits every run alike
+        progress = Progress("pp", repeats * len(kept))
+        for repeat in range(repeats):  # interleaved: a change in the machine's load hits every run alike
             for schedule, m in kept:
+                progress(f"{schedule} M={m} (repeat {repeat + 1})")
                 args = [*train_args, "--pp", str(stages), "--schedule", schedule, "--microbatches", str(m),
                         "--steps", str(steps)]
                 kept[schedule, m] += run_train(stages, args, Path(folder) / "pp.jsonl")[warmup:]
@@ -51,15 +53,19 @@ def measure(stages: int, microbatches: list[int], steps: int, warmup: int, repea
         busy = np.median([r["pipeline"]["stage_busy_s"] for r in records], axis=0)
         forward = np.median([r["pipeline"]["stage_forward_s"] for r in records], axis=0) / m
         backward = np.median([r["pipeline"]["stage_backward_s"] for r in records], axis=0) / m
+        bubble, bubble_spread = spread(records, lambda r: r["pipeline"]["bubble_measured"])
+        step, step_spread = spread(records, lambda r: r["time_s"])
         rows.append({
             "schedule": schedule,
             "microbatches": m,
-            "bubble_measured": median(records, lambda r: r["pipeline"]["bubble_measured"]),
+            "bubble_measured": bubble,
+            "bubble_measured_spread": bubble_spread,  # half the interquartile range, over steps and repeats
             "bubble_formula": records[-1]["pipeline"]["bubble_formula"],
             "stage_busy_share": [float(b) for b in busy / busy.sum()],
             "stage_forward_s": [float(f) for f in forward],  # per micro-batch
             "stage_backward_s": [float(b) for b in backward],
-            "step_s": median(records, lambda r: r["time_s"]),
+            "step_s": step,
+            "step_s_spread": step_spread,
             "stage0_activations_peak": int(records[-1]["mem"]["activations_peak"]),
             "stage0_sent_bytes": int(records[-1]["comm"]["sent_bytes"]),
         })
@@ -73,12 +79,12 @@ def per_stage(values, scale: float = 1.0, digits: int = 2) -> str:
 COLUMNS = [  # (header, how to show a row's figure); "a/b" lists stage 0, stage 1, ...
     ("schedule", lambda r: r["schedule"]),
     ("M", lambda r: r["microbatches"]),
-    ("bubble measured", lambda r: f"{r['bubble_measured']:.3f}"),
+    ("bubble measured", lambda r: plus_minus(r["bubble_measured"], r["bubble_measured_spread"], digits=3)),
     ("formula", lambda r: f"{r['bubble_formula']:.3f}"),
     ("compute share", lambda r: per_stage(r["stage_busy_share"])),
     ("F ms/mb", lambda r: per_stage(r["stage_forward_s"], 1e3, 1)),
     ("B ms/mb", lambda r: per_stage(r["stage_backward_s"], 1e3, 1)),
-    ("step ms", lambda r: f"{r['step_s'] * 1e3:.1f}"),
+    ("step ms", lambda r: plus_minus(r["step_s"], r["step_s_spread"], 1e3)),
     ("stage-0 activations B", lambda r: r["stage0_activations_peak"]),
     ("stage-0 sent B", lambda r: r["stage0_sent_bytes"]),
 ]
@@ -88,7 +94,7 @@ def render(figures: dict, warmup: int) -> str:
     return "\n".join(
         [f"minipar train {' '.join(figures['train_args'])} --pp {figures['stages']}  (medians over "
          f"{figures['repeats']} interleaved runs, after {warmup} warm-up steps each; a shared machine)",
-         "per-stage figures a/b: stage 0/stage 1; F and B ms/mb: compute per micro-batch"]
+         f"per-stage figures a/b: stage 0/stage 1; F and B ms/mb: compute per micro-batch; a ± b: {SPREAD}"]
         + right_aligned(figures["rows"], COLUMNS))
 
 

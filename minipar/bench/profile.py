@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from minipar.bench.timing import spread
 from minipar.core import nn, optim
 from minipar.core.autograd import Function
 from minipar.memory.ledger import MemoryLedger
@@ -64,8 +65,9 @@ class GPTStep:
             getattr(self, phase)()
 
 
-def phase_seconds(step: GPTStep, repeats: int) -> dict[str, float]:
-    """Median seconds of each phase over `repeats` steps, after one untimed warm-up step."""
+def phase_seconds(step: GPTStep, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds of each phase over `repeats` steps, after one untimed warm-up step, and their
+    spreads (half the interquartile range)."""
     step.run()
     times: dict[str, list[float]] = {phase: [] for phase in PHASES}
     for _ in range(repeats):
@@ -73,7 +75,8 @@ def phase_seconds(step: GPTStep, repeats: int) -> dict[str, float]:
             started = time.perf_counter()
             getattr(step, phase)()
             times[phase].append(time.perf_counter() - started)
-    return {phase: float(np.median(seconds)) for phase, seconds in times.items()}
+    return ({phase: float(np.median(seconds)) for phase, seconds in times.items()},
+            {phase: spread(seconds)[1] for phase, seconds in times.items()})
 
 
 def function_code_names() -> dict[tuple, str]:
@@ -117,13 +120,14 @@ def op_seconds(step: GPTStep, repeats: int) -> tuple[dict[str, float], dict[str,
 def profile_figures(dtype: str, batch: int, repeats: int, model: str = "default") -> dict:
     step = GPTStep(dtype, batch, model)
     with MemoryLedger():  # listening, as in `minipar train`: its work is part of the step
-        phases = phase_seconds(step, repeats)
+        phases, phase_spreads = phase_seconds(step, repeats)
         ops, calls, graph_phases = op_seconds(step, repeats)
     in_ops = sum(seconds for name, seconds in ops.items() if name != "AdamW update")
     return {
         "model": {"config": f"{model} GPT", "d_model": step.model.config.d_model,
                   "seq": step.model.config.block_size, "dtype": dtype, "batch": batch, "repeats": repeats},
         "phases_s": phases,
+        "phases_s_spread": phase_spreads,
         "step_s": sum(phases.values()),
         "ops_s": dict(sorted(ops.items(), key=lambda item: -item[1])),
         "op_calls_per_step": calls,
@@ -135,10 +139,11 @@ def profile_figures(dtype: str, batch: int, repeats: int, model: str = "default"
 def print_report(r: dict, top: int) -> None:
     m = r["model"]
     print(f"{m['config']} (d {m['d_model']}, seq {m['seq']}), {m['dtype']}, batch {m['batch']}: one training "
-          f"step, median of {m['repeats']}")
-    print("  phase            ms    share")
+          f"step, median of {m['repeats']} (± half the interquartile range)")
+    print("  phase            ms    share        ±")
     for phase, seconds in r["phases_s"].items():
-        print(f"  {phase:<14} {seconds * 1e3:6.2f}  {seconds / r['step_s']:6.1%}")
+        print(f"  {phase:<14} {seconds * 1e3:6.2f}  {seconds / r['step_s']:6.1%}  "
+              f"{r['phases_s_spread'][phase] * 1e3:7.2f}")
     print(f"  {'step':<14} {r['step_s'] * 1e3:6.2f}")
     profiled = r["profiled_forward_backward_s"] + r["ops_s"].get("AdamW update", 0.0)
     print(f"by operation, under cProfile ({profiled * 1e3:.1f} ms of forward, backward and AdamW per step)")

@@ -17,7 +17,7 @@ import json
 import sys
 
 from minipar.bench.table import right_aligned
-from minipar.bench.timing import round_times
+from minipar.bench.timing import SPREAD, plus_minus, round_times, spread
 from minipar.core import nn
 from minipar.core.autograd import activation_meter
 from minipar.core.recompute import RECOMPUTE_MODES
@@ -45,13 +45,15 @@ def recompute_figures(seq_len: int, batch: int, precision: str, repeats: int) ->
         peaks[mode] = activation_meter.peak - before
     works = {mode: (lambda model=model: step(model)) for mode, model in models.items()}
     works["forward only"] = lambda: models["none"].loss(models["none"](ids), targets, targets.size)
-    seconds = {name: float(sorted(times)[len(times) // 2]) for name, times in
-               round_times(works, repeats).items()}
+    times_of = round_times(works, repeats)
+    seconds = {name: float(sorted(times)[len(times) // 2]) for name, times in times_of.items()}
+    spreads = {name: spread(times)[1] for name, times in times_of.items()}  # half the interquartile range
     bytes_per_value = 8 if precision == "fp64" else 4
     rows = [{"recompute": mode, "activations_peak": peaks[mode],
              "formula": gpt_activation_peak(seq_len, batch, mcfg.d_model, mcfg.n_head, mcfg.n_layer,
                                             mcfg.vocab_size, recompute=mode, bytes_per_value=bytes_per_value),
              "step_ms": 1e3 * seconds[mode],
+             "step_ms_spread": 1e3 * spreads[mode],
              "extra_ms": 1e3 * (seconds[mode] - seconds["none"])} for mode in RECOMPUTE_MODES]
     return {"seq_len": seq_len, "batch": batch, "precision": precision, "repeats": repeats,
             "forward_ms": 1e3 * seconds["forward only"], "modes": rows}
@@ -71,11 +73,11 @@ def main(argv) -> int:
         print()
         return 0
     print(f"GPT defaults, seq {args.seq_len}, batch {args.batch}, {args.precision}: median of "
-          f"{args.repeats} alternating rounds; one forward alone {figures['forward_ms']:.1f} ms")
+          f"{args.repeats} alternating rounds ({SPREAD}); one forward alone {figures['forward_ms']:.1f} ms")
     columns = [("--recompute", lambda r: r["recompute"]),
                ("activations_peak (B)", lambda r: f"{r['activations_peak']:,}"),
                ("formula (B)", lambda r: f"{r['formula']:,}"),
-               ("forward+backward", lambda r: f"{r['step_ms']:.1f} ms"),
+               ("forward+backward", lambda r: f"{plus_minus(r['step_ms'], r['step_ms_spread'])} ms"),
                ("extra", lambda r: f"{r['extra_ms']:+.1f} ms")]
     print("\n".join(right_aligned(figures["modes"], columns)))
     return 0

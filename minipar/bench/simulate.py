@@ -8,7 +8,7 @@ median time of an 8-byte and a 1 MiB all-reduce). Then each layout runs for real
 median step after the first) and is predicted with a machine of os.cpu_count() cores: ranks beyond
 the cores time-share them. Options: --steps N (default 6). `--plot FILE` instead draws Narayanan et
 al.'s Table 1 and their ZeRO-3 comparison, published against predicted (needs matplotlib, the `viz`
-extra): lessons/14_simulate.png.
+extra): lessons/figures/14_simulate.png.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from minipar.bench.timing import median, run_mpi, run_train
+from minipar.bench.timing import SPREAD, Progress, plus_minus, run_mpi, run_train, spread
 from minipar.simulate import presets
 from minipar.simulate.machines import Machine
 from minipar.simulate.model import ModelShape, hardware_flops
@@ -54,10 +54,15 @@ if comm.rank == 0:
 """
 
 
-def step_seconds(ranks: int, flags: list[str], steps: int) -> float:
+def step_times(ranks: int, flags: list[str], steps: int) -> tuple[float, float]:
+    """The median step time after the first, and its spread (half the interquartile range)."""
     with tempfile.TemporaryDirectory() as folder:
         records = run_train(ranks, ["--steps", str(steps), *flags], Path(folder) / "log.jsonl")
-    return median([r["time_s"] for r in records[1:]])
+    return spread([r["time_s"] for r in records[1:]])
+
+
+def step_seconds(ranks: int, flags: list[str], steps: int) -> float:
+    return step_times(ranks, flags, steps)[0]
 
 
 def local_machine(steps: int) -> Machine:
@@ -116,12 +121,16 @@ def main(argv) -> int:
     steps = int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 6
     machine = local_machine(steps)
     print("default GPT (4 layers, d_model 64, seq 32, batch 16, fp32); median step after the first")
-    print(f"{'layout':<52}{'ranks':>6}{'measured ms':>13}{'predicted ms':>14}{'error':>8}")
+    print(f"measured ms: {SPREAD} over the steps")
+    print(f"{'layout':<52}{'ranks':>6}{'measured ms':>16}{'predicted ms':>14}{'error':>8}")
+    progress = Progress("simulate", len(LAYOUTS))
     for flags, fields in LAYOUTS:
         layout = Layout(BATCH, precision="fp32", **fields)
-        measured = step_seconds(layout.gpus, flags, steps)
+        progress(" ".join(flags))
+        measured, measured_spread = step_times(layout.gpus, flags, steps)
         predicted = simulate_step(MODEL, layout, machine)["step_s"]
-        print(f"{' '.join(flags):<52}{layout.gpus:>6}{measured * 1e3:>13.1f}{predicted * 1e3:>14.1f}"
+        shown = plus_minus(measured, measured_spread, 1e3)
+        print(f"{' '.join(flags):<52}{layout.gpus:>6}{shown:>16}{predicted * 1e3:>14.1f}"
               f"{predicted / measured - 1:>+8.0%}", flush=True)
     return 0
 

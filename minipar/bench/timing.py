@@ -12,6 +12,9 @@ One way of timing for all of them, so that their figures can be set side by side
             the other.
   ranks     each process of an mpiexec run gets one BLAS thread: a rank stands for one device, and
             ranks sharing cores with their own thread pools would measure oversubscription.
+  spread    a table shows a median with half the interquartile range of what it is the median of
+            ("65.4 ± 3.1", `spread`, `plus_minus`), and a long benchmark says on stderr which of its
+            configurations it is running (`Progress`).
 Used by every file in minipar/bench; the lessons' examples launch their mpiexec jobs with mpiexec().
 """
 
@@ -74,6 +77,34 @@ def paired_times(first: Callable, second: Callable, repeats: int) -> tuple[float
 def median(items, key: Callable = lambda item: item) -> float:
     """The median of key(item) over items: of one figure across the records of a training log."""
     return float(np.median([key(item) for item in items]))
+
+
+SPREAD = "median ± half the interquartile range"  # what "a ± b" means in every timing table
+
+
+def spread(items, key: Callable = lambda item: item) -> tuple[float, float]:
+    """(median, half the interquartile range) of key(item) over items: where the middle of repeated
+    measurements is, and how far their middle half strays from it. Both ignore the few runs a shared
+    machine's interruptions slow down, as a mean and a standard deviation would not."""
+    q1, middle, q3 = np.percentile([key(item) for item in items], [25, 50, 75])
+    return float(middle), float((q3 - q1) / 2)
+
+
+def plus_minus(middle: float, half_range: float, scale: float = 1.0, digits: int = 1) -> str:
+    """A median and its spread as a table shows them: "65.4 ± 3.1" (times `scale`, `digits` decimals)."""
+    return f"{middle * scale:.{digits}f} ± {half_range * scale:.{digits}f}"
+
+
+class Progress:
+    """One line to stderr per configuration of a long benchmark, "[bench dp] 3/8 dp=2 overlap", so
+    that a run of minutes shows where it is; stdout keeps only the tables (the lessons quote them)."""
+
+    def __init__(self, bench: str, total: int):
+        self.bench, self.total, self.done = bench, total, 0
+
+    def __call__(self, configuration: str) -> None:
+        self.done += 1
+        print(f"[bench {self.bench}] {self.done}/{self.total} {configuration}", file=sys.stderr, flush=True)
 
 
 def mpiexec() -> str:

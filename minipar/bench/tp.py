@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from minipar.bench.table import right_aligned
-from minipar.bench.timing import median, run_train
+from minipar.bench.timing import SPREAD, Progress, median, plus_minus, run_train, spread
 from minipar.core.nn import Block
 from minipar.trainer.arguments import parse_train_args
 from minipar.trainer.build import model_config
@@ -47,21 +47,29 @@ def measure(n: int, steps: int, warmup: int, repeats: int, train_args: list[str]
     kept = {name: [] for name in layouts}
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "train.jsonl"
-        for _ in range(repeats):  # interleaved, so a change in the machine's load hits every layout alike
+        progress = Progress("tp", repeats * len(layouts) + 2 * (len(layouts) - 1))
+        for repeat in range(repeats):  # interleaved: a change in the machine's load hits every layout alike
             for name, (ranks, extra) in layouts.items():
+                progress(f"{name if name == 'single' else f'{name}={n}'} (repeat {repeat + 1})")
                 kept[name] += run_train(ranks, [*train_args, *extra, "--steps", str(steps)], log)[warmup:]
         deeper = [*train_args, "--n-layer", str(cfg.n_layer + 1)]
-        per_block = {name: first_step_bytes(ranks, [*deeper, *extra], log)
-                     - first_step_bytes(ranks, [*train_args, *extra], log)
-                     for name, (ranks, extra) in layouts.items() if name != "single"}
+        per_block = {}
+        for name, (ranks, extra) in layouts.items():
+            if name != "single":
+                progress(f"{name}={n}: one step at {cfg.n_layer + 1} layers (for the bytes of a block)")
+                deeper_bytes = first_step_bytes(ranks, [*deeper, *extra], log)
+                progress(f"{name}={n}: one step at {cfg.n_layer} layers")
+                per_block[name] = deeper_bytes - first_step_bytes(ranks, [*train_args, *extra], log)
     formulas = block_formulas(cfg, n)
     rows = []
     for name, records in kept.items():
         sent = int(median(records, lambda r: r["comm"]["sent_bytes"]))
         messages = int(median(records, lambda r: r["comm"]["messages"]))
+        tokens, tokens_spread = spread(records, lambda r: r["tokens_per_s"])
         rows.append({
             "layout": name if name == "single" else f"{name}={n}",
-            "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
+            "tokens_per_s": tokens,
+            "tokens_per_s_spread": tokens_spread,  # half the interquartile range, over steps and repeats
             "params_bytes": records[-1]["mem"]["params"],
             "sent_bytes_per_step": sent,
             "all_reduces_per_step": messages // (2 * (n - 1)) if name != "single" else 0,
@@ -75,7 +83,7 @@ def measure(n: int, steps: int, warmup: int, repeats: int, train_args: list[str]
 
 COLUMNS = [
     ("layout", lambda r: r["layout"]),
-    ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
+    ("tokens/s", lambda r: plus_minus(r["tokens_per_s"], r["tokens_per_s_spread"], digits=0)),
     ("speed-up", lambda r: f"{r['speedup']:.2f}x"),
     ("params B/rank", lambda r: r["params_bytes"]),
     ("sent B/step", lambda r: r["sent_bytes_per_step"]),
@@ -88,7 +96,8 @@ COLUMNS = [
 def render(figures: dict, warmup: int) -> str:
     return "\n".join(
         [f"minipar train {' '.join(figures['train_args']) or '(default options)'}   (rank 0's figures)",
-         f"medians over {figures['repeats']} interleaved runs of each layout, after {warmup} warm-up steps"]
+         f"medians over {figures['repeats']} interleaved runs of each layout, after {warmup} warm-up steps; "
+         f"a ± b: {SPREAD}"]
         + right_aligned(figures["rows"], COLUMNS)
         + ["sent B/block: one step with --n-layer L+1 minus one with L; formula: tp 4 x 2(N-1)/N x "
            "batch*seq*d_model values, dp 2(N-1)/N x the block's parameters"])

@@ -13,7 +13,7 @@ Three measurements, from real training runs in this process (chunked ZeRO-3 with
   trace      the warm-up step's samples, moment by moment: blocks on the device, buffers, activations;
              `--plot FILE` draws them with the budget (needs matplotlib, the `viz` extra).
 
-    python -m minipar bench tracer [--steps 4] [--plot lessons/08_memory_trace.png] [--json]
+    python -m minipar bench tracer [--steps 4] [--plot lessons/figures/08_memory_trace.png] [--json]
 Lesson: lessons/08_memory.md.
 """
 

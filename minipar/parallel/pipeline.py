@@ -147,9 +147,11 @@ class PipelineRunner(Runner):
     rank (v-1) mod K and sends to (v+1) mod K, each message tagged by its micro-batch and boundary. With
     the backward split (ZB-H1), B sends the input gradient on and leaves the weight gradients, and the
     gradient hooks waiting for them, to W. `timing()` is the measured busy and idle time of the last
-    step, gathered over stages. With `early_receives` (unless --no-overlap) the receive an action
-    needs is posted (Irecv) as the action before it begins, so the message lands in its buffer while
-    this stage computes, and the action only waits for what has not yet arrived.
+    step, gathered over stages, with each stage's actions as [label, start, stop] seconds from the
+    step's common start (a measured Gantt chart: `python -m minipar plot gantt`). With
+    `early_receives` (unless --no-overlap) the receive an action needs is posted (Irecv) as the action
+    before it begins, so the message lands in its buffer while this stage computes, and the action only
+    waits for what has not yet arrived.
     """
 
     def __init__(self, stage: PipelineStage, comm, schedule: str, microbatches: int, width: int, dtype,
@@ -172,6 +174,8 @@ class PipelineRunner(Runner):
         self.loss_sum = 0.0
         self.correct = 0  # this step's right predictions among the scored ones (last stage)
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
+        self.action_times: list[list] = []  # this step's [label, start, stop], seconds from step_started
+        self.step_started = 0.0
         self.last_timing: dict = {}
 
     def timing(self) -> dict | None:
@@ -203,8 +207,9 @@ class PipelineRunner(Runner):
         self.correct = 0
         self.received_early = 0
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
+        self.action_times = []
         self.comm.barrier()  # every stage's clock starts together, so the makespan is common
-        started = time.perf_counter()
+        started = self.step_started = time.perf_counter()
         for k, action in enumerate(self.actions):
             if self.early_receives and k + 1 < len(self.actions):
                 self.post_receive(self.actions[k + 1], xs)
@@ -232,7 +237,7 @@ class PipelineRunner(Runner):
             received = self.receive(self.activation_shape(x), (v - 1) % self.stages,
                                     self.tag(i, v - 1, backward=False))
             stage_input = Tensor(received, requires_grad=True)
-        with self.computing("F"):
+        with self.computing(action):
             output = self.stage(stage_input, chunk=action.chunk or 0)
             if last:
                 output, correct = self.stage.loss_and_correct(output, be.from_host(y), normaliser)
@@ -248,7 +253,7 @@ class PipelineRunner(Runner):
         grad = None
         if v != self.stages * self.virtual_stages - 1:
             grad = self.receive(output.shape, (v + 1) % self.stages, self.tag(i, v, backward=True))
-        with self.computing("B"):
+        with self.computing(action):
             if self.split_backward:  # the input gradient now; the weights' gradients wait for W
                 deferred: list = []
                 self.deferred[i, action.chunk] = deferred
@@ -287,7 +292,7 @@ class PipelineRunner(Runner):
 
     def weight_gradients(self, action: Action):
         """W: the weight gradients B left, in B's order, each module's backward hooks after its own."""
-        with self.computing("W"):
+        with self.computing(action):
             for work in self.deferred.pop((action.microbatch, action.chunk)):
                 work()
 
@@ -304,17 +309,20 @@ class PipelineRunner(Runner):
         self.pending_sends = [r for r in self.pending_sends if not r.Test()]  # also drives MPI progress
 
     @contextlib.contextmanager
-    def computing(self, op: str):
-        """Add the wall time of a block of computation (device work included) to op's busy time."""
+    def computing(self, action: Action):
+        """Add the wall time of a block of computation (device work included) to its op's busy time,
+        and note when the action ran."""
         started = time.perf_counter()
         yield
         backend.current().sync()
-        self.compute_s[op] += time.perf_counter() - started
+        stopped = time.perf_counter()
+        self.compute_s[action.op] += stopped - started
+        self.action_times.append([str(action), started - self.step_started, stopped - self.step_started])
 
     def record_timing(self, wall_s: float):
         """Gather every stage's compute time; bubble = idle share of stages x makespan (uncharged control)."""
-        mine = (self.compute_s["F"], self.compute_s["B"] + self.compute_s["W"], wall_s)
-        forward, backward, walls = zip(*self.comm.allgather_obj(mine))
+        mine = (self.compute_s["F"], self.compute_s["B"] + self.compute_s["W"], wall_s, self.action_times)
+        forward, backward, walls, actions = zip(*self.comm.allgather_obj(mine))
         busy = [f + b for f, b in zip(forward, backward)]
         makespan = max(walls)
         self.last_timing = {
@@ -326,6 +334,7 @@ class PipelineRunner(Runner):
             "stage_backward_s": list(backward),
             "stage_busy_s": busy,
             "makespan_s": makespan,
+            "stage_action_times_s": list(actions),  # per stage: [label, start, stop] in seconds
             "bubble_measured": 1.0 - sum(busy) / (self.stages * makespan),
             "bubble_formula": float(bubble_formula(self.stages, self.microbatches, self.virtual_stages,
                                                    self.split_backward)),

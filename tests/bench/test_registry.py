@@ -45,7 +45,8 @@ def test_the_command_line_runs_the_named_bench_under_a_header(capsys):
 def test_autograd_table_shows_both_times_and_their_ratio(capsys):
     assert autograd.main(TINY) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "MLP 2 x 8, batch 4, fp64, forward+backward, median of 2 alternating rounds"
+    assert lines[0] == ("MLP 2 x 8, batch 4, fp64, forward+backward, median of 2 alternating rounds "
+                        "± half the interquartile range")
     assert [line.split()[0] for line in lines[1:4]] == ["hand-written", "minipar", "overhead"]
     assert lines[4].startswith("GPT (default config) training step: ") and lines[4].endswith(" ms")
 

@@ -93,3 +93,27 @@ def test_run_train_returns_rank_0s_records_of_a_real_two_rank_run(tmp_path):
 def test_a_failing_run_raises_with_its_command_and_error():
     with pytest.raises(RuntimeError, match="--batch-size 7 is not divisible by dp=2"):
         timing.run_mpi(2, ["-m", "minipar", "train", "--batch-size", "7"])
+
+
+def test_spread_is_the_median_and_half_the_interquartile_range_computed_by_hand():
+    # 1..5: quartiles 2 and 4 (linear interpolation between order statistics), so 3 ± 1
+    assert timing.spread([5, 1, 4, 2, 3]) == (3.0, 1.0)
+    # 10, 20, 30, 40: quartiles at positions 0.75 and 2.25 -> 17.5 and 32.5, so 25 ± 7.5
+    assert timing.spread([40, 10, 30, 20]) == (25.0, 7.5)
+    # one interruption moves neither figure much: 1, 1, 1, 1, 100 -> 1 ± 0
+    assert timing.spread([1.0, 1.0, 100.0, 1.0, 1.0]) == (1.0, 0.0)
+    assert timing.spread([{"time_s": 0.5}, {"time_s": 1.5}], key=lambda r: r["time_s"]) == (1.0, 0.25)
+
+
+def test_plus_minus_shows_a_median_and_its_spread():
+    assert timing.plus_minus(0.0654, 0.0031, scale=1e3) == "65.4 ± 3.1"
+    assert timing.plus_minus(3.0, 1.0, digits=0) == "3 ± 1"
+
+
+def test_progress_writes_one_numbered_line_per_configuration_to_stderr(capsys):
+    progress = timing.Progress("dp", 8)
+    progress("dp=1")
+    progress("dp=2 overlap")
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "[bench dp] 1/8 dp=1\n[bench dp] 2/8 dp=2 overlap\n"

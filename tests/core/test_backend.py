@@ -192,7 +192,9 @@ def test_bench_gpu_compares_the_two_backends(capsys):
     assert row["deviation"] == {"loss": 0.0, "weight": 0.0} and row["tolerance"] == 1e-9
     assert row["numpy_ms"] > 0 and row["cupy_ms"] > 0 and backend.current().name == "numpy"
     kernel_ms = {"chain8": {"numpy": 2.0, "gpu_per_op": 0.5, "gpu_fused": 0.1}}  # the layout, not figures
-    result = {"steps": 3, "agreement": [row], "wide": row, "fused_kernels": {"size": 8, "ms": kernel_ms}}
+    kernel_spread = {"chain8": {"numpy": 0.2, "gpu_per_op": 0.05, "gpu_fused": 0.01}}
+    result = {"steps": 3, "agreement": [row], "wide": row,
+              "fused_kernels": {"size": 8, "ms": kernel_ms, "ms_spread": kernel_spread}}
     text = gpu_bench.report(result)
     assert "numpy/cupy" in text and "chain8" in text and gpu_bench.agrees(result)
 

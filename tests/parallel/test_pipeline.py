@@ -240,6 +240,14 @@ def test_pipeline_trains_to_the_single_process_losses_and_weights(comm, stages, 
     assert timing["stage_busy_s"] == [f + b for f, b in zip(forward, backward)]
     assert 0.0 < timing["bubble_measured"] < 1.0
     assert 0.0 < timing["busy_s"] <= timing["makespan_s"]
+    # the measured Gantt chart: each stage's actions in its schedule's order, one after another within
+    # the step, their durations adding up to the stage's busy time
+    for table, actions, busy in zip(build_schedule(schedule, stages, run), timing["stage_action_times_s"],
+                                    timing["stage_busy_s"]):
+        assert [label for label, _, _ in actions] == [str(action) for action in table]
+        edges = [edge for _, start, stop in actions for edge in (start, stop)]
+        assert edges == sorted(edges) and 0.0 <= edges[0] and edges[-1] <= timing["makespan_s"]
+        assert sum(stop - start for _, start, stop in actions) == pytest.approx(busy, rel=1e-9)
 
 
 @needs_world_size(2, 4, 8)
