@@ -37,7 +37,8 @@ class Runner(Protocol):
     @abstractmethod
     def forward_backward(self, inputs, targets, normaliser: int) -> float:
         """Accumulate the gradients of this slice's loss (divided by the global `normaliser`); return the
-        summed loss (0.0 on pipeline stages that have none). Collective in pipeline parallelism."""
+        summed loss (0.0 on pipeline stages that have none; with MoE, a stage adds its layers' aux part).
+        Collective in pipeline parallelism."""
 
     def timing(self) -> dict | None:
         """The last step's measured pipeline timing (busy, idle, bubble) for the train log, or None."""

@@ -22,11 +22,11 @@ from minipar.core import functional as F
 from minipar.core.autograd import Function, no_grad
 from minipar.core.backend import xp_of
 from minipar.core.module import Module, ModuleList
-from minipar.core.moe import IndexAdd, MoEConfig, MoEGPT, MoELayer, route
+from minipar.core.moe import IndexAdd, MoEConfig, MoEGPT, MoELayer, RoutingStats, route
 from minipar.core.nn import MLP, GPTConfig, Linear
 from minipar.dist import collectives
 from minipar.dist.comm import Comm, ProcessGrid
-from minipar.parallel.api import LocalUpdater, Updater
+from minipar.parallel.api import LocalUpdater, Runner, Updater
 from minipar.parallel.tensor_gpt import TensorParallelGPT
 from minipar.parallel.zero import ZeroStage1
 
@@ -72,21 +72,21 @@ class LocalExperts(ModuleList):
 class ExpertParallelMoELayer(MoELayer):
     """MoELayer whose experts live on the ranks of `groups.ep`; the same routing and aux loss."""
 
-    def __init__(self, cfg: GPTConfig, moe: MoEConfig, groups: ExpertGroups):
+    def __init__(self, cfg: GPTConfig, moe: MoEConfig, routing: RoutingStats | None = None, *,
+                 groups: ExpertGroups):
         Module.__init__(self)  # MoELayer's __init__ would build every expert: this builds this rank's
         self.moe, self.groups = moe, groups
         self.per_rank = moe.n_experts // groups.ep.size
         self.router = Linear(cfg.d_model, moe.n_experts, bias=False, dtype=cfg.dtype)
         self.experts = LocalExperts(cfg, groups.ep.rank * self.per_rank, self.per_rank)
-        self.aux_loss = None
-        self.tokens_per_expert = []
+        self.join_routing(routing)
 
     def forward(self, x):
         B, T, D = x.shape
         E, k, C = self.moe.n_experts, self.moe.top_k, self.moe.capacity(T)
         probs = F.softmax(self.router(x), axis=-1)
         choice, kept, counts, slot = route(probs.data, k, C)
-        self.aux_loss = self.sequence_aux_loss(probs, counts, T)
+        aux = self.sequence_aux_loss(probs, counts, T)
         xp = xp_of(x.data)
         keep = kept.reshape(-1)
         tokens = xp.repeat(xp.arange(B * T), k)[keep]
@@ -97,7 +97,7 @@ class ExpertParallelMoELayer(MoELayer):
         dispatch = IndexAdd.apply(x.reshape(B * T, D)[tokens], rows, E * B * C)
         outputs = self.run_experts(dispatch.reshape(self.groups.ep.size, self.per_rank * B * C * D), B, C, D)
         gate = probs.reshape(B * T, E)[tokens, experts].reshape(len(tokens), 1)
-        return IndexAdd.apply(outputs[rows] * gate, tokens, B * T).reshape(B, T, D)
+        return self.attach_aux_loss(IndexAdd.apply(outputs[rows] * gate, tokens, B * T).reshape(B, T, D), aux)
 
     def run_experts(self, dispatch, B: int, C: int, D: int):
         """All-to-all the dispatch buffer, run each local expert on its rows from every ep rank (padding
@@ -108,6 +108,27 @@ class ExpertParallelMoELayer(MoELayer):
                 for j, expert in enumerate(self.experts)]
         back = F.concatenate(outs, axis=1).reshape(n, self.per_rank * B * C * D)
         return AllToAll.apply(back, self.groups.ep).reshape(self.moe.n_experts * B * C, D)
+
+
+class AuxLossRunner(Runner):
+    """The inner runner, with the MoE layers told this step's aux-loss gradient (coef / global
+    sequences, from the normaliser) before any backward: a pipeline stage that holds MoE layers but
+    not the loss gets it here. Its loss adds the aux part of its layers that no loss counted (every
+    stage before the last), so the losses summed over stages are one process's."""
+
+    def __init__(self, runner: Runner, routing: RoutingStats, coef: float):
+        self.runner, self.routing, self.coef = runner, routing, coef
+
+    def forward_backward(self, inputs, targets, normaliser: int) -> float:
+        self.routing.set_normaliser(self.coef, targets.shape[1], normaliser)
+        loss = self.runner.forward_backward(inputs, targets, normaliser)
+        return loss + self.routing.settle()
+
+    def timing(self) -> dict | None:
+        return self.runner.timing()
+
+    def log_record(self) -> dict | None:
+        return self.runner.log_record()
 
 
 def dispatch_bytes_per_step(cfg, local_sequences: int) -> int:
@@ -145,9 +166,10 @@ class TensorParallelMoEGPT(MoEGPT, TensorParallelGPT):
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, comm: Comm, seed: int | None = 0,
                  recompute: str = "none", layer=MoELayer):
+        self.routing = RoutingStats(moe.n_experts)
         TensorParallelGPT.__init__(self, cfg, comm, seed=None, recompute=recompute,
-                                   mlp=lambda: layer(cfg, moe))
-        self.start_routing_stats(moe)
+                                   mlp=lambda: layer(cfg, moe, self.routing))
+        self.moe = moe
         if seed is not None:
             self.init_parameters(seed)
 

@@ -164,7 +164,7 @@ def tiny(**changes) -> TrainConfig:
     ({"capacity_factor": 0.0}, "--capacity-factor must be a positive number (got 0.0)"),
     ({"aux_loss_coef": -1.0}, "--aux-loss-coef must be a non-negative number (got -1.0)"),
     ({"recompute": "full"}, "--model moe does not support --recompute full yet"),
-    ({"pp": 2, "dp": 1}, "--model moe does not support --pp > 1 yet"),
+    ({"cp": 2, "dp": 1}, "--model moe does not support --cp > 1 yet"),
 ])
 def test_bad_moe_options_are_one_line(changes, message):
     errors = validate(tiny(**changes), 1)
@@ -210,34 +210,47 @@ def test_data_parallel_moe_trains_like_one_process(tp, zero, top_k, capacity_fac
             assert np.sum(ref["tokens_per_expert"]) <= cfg.n_layer * cfg.batch_size * cfg.seq_len * top_k
 
 
-# (dp, tp, ep): every dp x tp of this world with ep > 1 dividing dp (MoE layers replicated over tp)
-EP_LAYOUTS = [(WORLD.size // tp, tp, ep) for tp in (1, 2) for ep in (2, 4)
+# (dp, tp, pp, ep): every dp x tp of this world with ep > 1 dividing dp (MoE layers replicated over tp),
+# and pipelines of 2 stages: with ep inside dp, or alone at 2 ranks (the aux loss on every stage)
+EP_LAYOUTS = [(WORLD.size // tp, tp, 1, ep) for tp in (1, 2) for ep in (2, 4)
               if WORLD.size % tp == 0 and (WORLD.size // tp) % ep == 0]
+PP_LAYOUTS = [(WORLD.size // 2, 1, 2, 1 if WORLD.size == 2 else 2)] if WORLD.size in (2, 4) else []
 
 
 @needs_world_size(2, 4)
-@mpi_given(max_examples=3, layout=st.sampled_from(EP_LAYOUTS or [(2, 1, 2)]), top_k=st.sampled_from([1, 2]),
-           capacity_factor=st.sampled_from([0.5, 1.0, 1.5]), microbatches=st.sampled_from([1, 2]),
-           zero=st.sampled_from([0, 1]), seed=st.integers(0, 2**16),
-           examples=[at_world_size((4,), layout=(4, 1, 2), top_k=2, capacity_factor=0.5, microbatches=2,
+@mpi_given(max_examples=3, layout=st.sampled_from(EP_LAYOUTS + PP_LAYOUTS or [(2, 1, 1, 2)]),
+           top_k=st.sampled_from([1, 2]), capacity_factor=st.sampled_from([0.5, 1.0, 1.5]),
+           microbatches=st.sampled_from([1, 2]), zero=st.sampled_from([0, 1]), seed=st.integers(0, 2**16),
+           examples=[at_world_size((4,), layout=(4, 1, 1, 2), top_k=2, capacity_factor=0.5, microbatches=2,
                                    zero=1, seed=1),
-                     at_world_size((4,), layout=(2, 2, 2), top_k=1, capacity_factor=1.0, microbatches=1,
-                                   zero=1, seed=2)])
+                     at_world_size((4,), layout=(2, 2, 1, 2), top_k=1, capacity_factor=1.0, microbatches=1,
+                                   zero=1, seed=2),
+                     at_world_size((2,), layout=(1, 1, 2, 1), top_k=2, capacity_factor=0.5, microbatches=2,
+                                   zero=0, seed=3),
+                     at_world_size((4,), layout=(2, 1, 2, 2), top_k=2, capacity_factor=1.0, microbatches=2,
+                                   zero=1, seed=4)])
 def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor, microbatches, zero, seed):
-    """Experts split over ep ranks inside dp (with tp too): losses, weights and the routing stats of
-    one process, and the all-to-all bytes of every step equal their formula, from the ledger."""
-    dp, tp, ep = layout
-    cfg = tiny(dp=dp, tp=tp, ep=ep, top_k=top_k, capacity_factor=capacity_factor, microbatches=microbatches,
-               zero=zero, seed=seed)
+    """Experts split over ep ranks inside dp (with tp or pp too), and MoE on a pipeline: losses,
+    weights and the routing stats of one process (the aux loss's gradient reaches every stage, its
+    value summed over stages), and the all-to-all bytes of every step equal their formula, from the
+    ledger."""
+    dp, tp, pp, ep = layout
+    cfg = tiny(dp=dp, tp=tp, pp=pp, ep=ep, top_k=top_k, capacity_factor=capacity_factor,
+               microbatches=microbatches, zero=zero, seed=seed, aux_loss_coef=0.5)
     records = trains_like_one_process(cfg)
     if WORLD.rank == 0:
         alone = Trainer(cfg.single_process(), MPI.COMM_SELF).run()
         assert [r["tokens_per_expert"] for r in records] == [r["tokens_per_expert"] for r in alone]
-        # 4 all-to-alls per layer and micro-batch (dispatch and combine, forward and backward), each
-        # sending ep-1 of its ep blocks: (E, b, C, d) fp64 elements, b this rank's sequences
+        for mine, ref in zip(records, alone):
+            assert mine["aux_loss"] == pytest.approx(ref["aux_loss"], rel=1e-9)
+        if ep == 1:
+            return
+        # 4 all-to-alls per layer of this stage and micro-batch (dispatch and combine, forward and
+        # backward), each sending ep-1 of its ep blocks: (E, b, C, d) fp64 elements, b this rank's sequences
+        layers = cfg.n_layer // pp  # 2 blocks on 2 stages: one each (embedding and head are lighter)
         C = math.ceil(capacity_factor * cfg.seq_len * top_k / cfg.n_experts)
         b = cfg.batch_size // dp // microbatches
-        expected = 4 * cfg.n_layer * microbatches * (ep - 1) * (cfg.n_experts // ep) * b * C * cfg.d_model * 8
+        expected = 4 * layers * microbatches * (ep - 1) * (cfg.n_experts // ep) * b * C * cfg.d_model * 8
         for r in records:
             assert r["comm"]["by_dim_op"]["ep"]["all_to_all"] == expected, r["comm"]
         if zero == 1 and dp // ep > 1:  # experts' states sharded over edp: reduce-scatter + all-gather
