@@ -8,7 +8,10 @@ into a dispatch buffer padded to capacity, (n, b, C, d) for its b sequences, and
 the ep group sends expert e's rows to e's rank; the experts run on what arrives, and a second
 all-to-all brings the outputs home to be weighted by the gates. Gradients: the router's and the
 attention's are summed over all of dp; an expert's only over the ranks that hold it (the
-expert-data-parallel group "edp": the same place in every ep block).
+expert-data-parallel group "edp": the same place in every ep block). ZeRO (stages 1-3) shards the
+experts' states over edp and reduce-scatters their gradients there, the rest over dp
+(`ExpertParallelZero`). With a pipeline, each layer's aux loss reaches its router on its own stage
+(core/moe.py's AttachAuxLoss, told the step's normaliser by `AuxLossRunner`).
 
 What it saves: each rank holds n/E experts instead of n (their parameters, gradients and optimizer
 states). What it costs: two all-to-alls forward and two backward per MoE layer, each (E-1)/E of the
@@ -17,6 +20,9 @@ Lesson: lessons/15_experts.md.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 from minipar.core import functional as F
 from minipar.core.autograd import Function, no_grad
@@ -28,7 +34,8 @@ from minipar.dist import collectives
 from minipar.dist.comm import Comm, ProcessGrid
 from minipar.parallel.api import LocalUpdater, Runner, Updater
 from minipar.parallel.tensor_gpt import TensorParallelGPT
-from minipar.parallel.zero import ZeroStage1
+from minipar.parallel.zero import ZeroStage1, ZeroStage2
+from minipar.parallel.zero3 import ZeroStage3
 
 
 class ExpertGroups:
@@ -189,27 +196,46 @@ class ModelPart:
 
 
 class UnitPart:
-    """The parameters of one unit that a ModelPart picks (only `parameters()`: what ZeRO-1 asks)."""
+    """The parameters of one unit that a ModelPart picks; its hooks are the unit's own (ZeRO 2-3 hook
+    the unit: each part's hook then moves only that part's parameters and gradients)."""
 
     def __init__(self, unit, prefix: str, wanted):
+        self.unit = unit
         self.chosen = [p for name, p in unit.named_parameters() if wanted(f"{prefix}.{name}")]
 
     def parameters(self):
         return self.chosen
+
+    def register_forward_pre_hook(self, hook):
+        return self.unit.register_forward_pre_hook(hook)
+
+    def register_forward_hook(self, hook):
+        return self.unit.register_forward_hook(hook)
+
+    def register_full_backward_pre_hook(self, hook):
+        return self.unit.register_full_backward_pre_hook(hook)
+
+    def register_full_backward_hook(self, hook):
+        return self.unit.register_full_backward_hook(hook)
 
 
 def is_expert(name: str) -> bool:
     return ".experts." in name
 
 
-class ExpertParallelZero1(Updater):
-    """ZeRO-1 with experts: the experts' optimizer states sharded over edp (the ranks holding them),
-    the rest over dp; each part is a ZeroStage1 of its own."""
+class ExpertParallelZero(Updater):
+    """ZeRO (stage 1, 2 or 3) with experts: the experts' states sharded over edp (the ranks holding
+    them) and their gradients reduce-scattered over it only, the rest over dp; each part is a ZeRO
+    updater of its own, both hooked on the same units (stages 2-3)."""
 
-    def __init__(self, model, optimizer_of, dp: Comm, groups: ExpertGroups):
+    def __init__(self, model, optimizer_of, dp: Comm, groups: ExpertGroups, stage: int,
+                 prefetch: bool = False):
         self.model = model
-        self.parts = [ZeroStage1(ModelPart(model, lambda n: not is_expert(n)), optimizer_of([]), dp),
-                      ZeroStage1(ModelPart(model, is_expert), optimizer_of([]), groups.edp)]
+        makers: dict[int, Callable[..., Updater]] = {
+            1: ZeroStage1, 2: ZeroStage2, 3: partial(ZeroStage3, prefetch=prefetch)}
+        make = makers[stage]
+        self.parts = [make(ModelPart(model, lambda n: not is_expert(n)), optimizer_of([]), dp),
+                      make(ModelPart(model, is_expert), optimizer_of([]), groups.edp)]
         self.optimizer = self.parts[0].optimizer
 
     def step(self) -> None:
@@ -227,6 +253,9 @@ class ExpertParallelZero1(Updater):
         for part in self.parts:
             part.load_logical(state)
 
+    def local_state(self) -> dict:
+        return {**self.parts[0].local_state(), **self.parts[1].local_state()}
+
 
 def config_errors(cfg) -> list[str]:
     """`--ep`'s checks, one line each."""
@@ -242,6 +271,7 @@ def config_errors(cfg) -> list[str]:
         errors.append(f"--ep {cfg.ep} does not divide dp={dp} (ep groups are blocks of ep dp ranks)")
     if cfg.n_experts % cfg.ep:
         errors.append(f"--n-experts {cfg.n_experts} is not divisible by --ep {cfg.ep}")
-    if cfg.zero > 1:
-        errors.append(f"--ep with --zero {cfg.zero} is not built yet (use --zero 0 or 1)")
+    if cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None:
+        errors.append(f"--ep {cfg.ep} with chunked ZeRO-3 (--offload, --chunk-mb, --device-mem-mb) is not "
+                      "built yet (use --zero 1, 2 or 3)")
     return errors

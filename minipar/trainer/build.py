@@ -124,8 +124,9 @@ def build_updater(cfg, grid, model, scaler=None):
         return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # parallel/zero_chunked.py
     if cfg.ep > 1:  # experts summed over the ranks that hold them, the rest over dp (experts.py)
         groups = experts.ExpertGroups(grid, cfg.ep)  # the same communicators as the model's (reused)
-        if cfg.zero == 1:  # expert states sharded over edp, the rest over dp
-            return experts.ExpertParallelZero1(model, optimizer_of, grid.dp, groups)
+        if cfg.zero:  # expert states (and gradients, parameters) sharded over edp, the rest over dp
+            return experts.ExpertParallelZero(model, optimizer_of, grid.dp, groups, cfg.zero,
+                                              prefetch=not cfg.no_overlap)
         return experts.ExpertParallelUpdater(model, optimizer_of(model.parameters()), grid.dp, groups)
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
         if cfg.zero == 3:  # prefetching the next unit's parameters unless --no-overlap

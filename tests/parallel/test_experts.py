@@ -220,7 +220,8 @@ PP_LAYOUTS = [(WORLD.size // 2, 1, 2, 1 if WORLD.size == 2 else 2)] if WORLD.siz
 @needs_world_size(2, 4)
 @mpi_given(max_examples=3, layout=st.sampled_from(EP_LAYOUTS + PP_LAYOUTS or [(2, 1, 1, 2)]),
            top_k=st.sampled_from([1, 2]), capacity_factor=st.sampled_from([0.5, 1.0, 1.5]),
-           microbatches=st.sampled_from([1, 2]), zero=st.sampled_from([0, 1]), seed=st.integers(0, 2**16),
+           microbatches=st.sampled_from([1, 2]), zero=st.sampled_from([0, 1, 2, 3]),
+           seed=st.integers(0, 2**16),
            examples=[at_world_size((4,), layout=(4, 1, 1, 2), top_k=2, capacity_factor=0.5, microbatches=2,
                                    zero=1, seed=1),
                      at_world_size((4,), layout=(2, 2, 1, 2), top_k=1, capacity_factor=1.0, microbatches=1,
@@ -228,12 +229,14 @@ PP_LAYOUTS = [(WORLD.size // 2, 1, 2, 1 if WORLD.size == 2 else 2)] if WORLD.siz
                      at_world_size((2,), layout=(1, 1, 2, 1), top_k=2, capacity_factor=0.5, microbatches=2,
                                    zero=0, seed=3),
                      at_world_size((4,), layout=(2, 1, 2, 2), top_k=2, capacity_factor=1.0, microbatches=2,
-                                   zero=1, seed=4)])
+                                   zero=3, seed=4),
+                     at_world_size((4,), layout=(4, 1, 1, 2), top_k=1, capacity_factor=1.5, microbatches=2,
+                                   zero=2, seed=5)])
 def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor, microbatches, zero, seed):
-    """Experts split over ep ranks inside dp (with tp or pp too), and MoE on a pipeline: losses,
-    weights and the routing stats of one process (the aux loss's gradient reaches every stage, its
-    value summed over stages), and the all-to-all bytes of every step equal their formula, from the
-    ledger."""
+    """Experts split over ep ranks inside dp (with tp or pp too, ZeRO 0-3 over edp and dp), and MoE
+    on a pipeline: losses, weights and the routing stats of one process (the aux loss's gradient
+    reaches every stage, its value summed over stages), and the all-to-all bytes of every step equal
+    their formula, from the ledger."""
     dp, tp, pp, ep = layout
     cfg = tiny(dp=dp, tp=tp, pp=pp, ep=ep, top_k=top_k, capacity_factor=capacity_factor,
                microbatches=microbatches, zero=zero, seed=seed, aux_loss_coef=0.5)
@@ -253,7 +256,7 @@ def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor,
         expected = 4 * layers * microbatches * (ep - 1) * (cfg.n_experts // ep) * b * C * cfg.d_model * 8
         for r in records:
             assert r["comm"]["by_dim_op"]["ep"]["all_to_all"] == expected, r["comm"]
-        if zero == 1 and dp // ep > 1:  # experts' states sharded over edp: reduce-scatter + all-gather
+        if zero and dp // ep > 1:  # experts' states sharded over edp: reduce-scatter + all-gather
             assert set(records[-1]["comm"]["by_dim_op"]["edp"]) == {"reduce_scatter", "all_gather"}
 
 
@@ -274,7 +277,8 @@ def test_all_to_all_sends_block_s_to_rank_s_and_charges_what_it_sends(block, see
     ({"ep": 2, "model": "gpt"}, "--ep 2 needs --model moe (experts to split)"),
     ({"ep": 4, "dp": 2}, "--ep 4 does not divide dp=2 (ep groups are blocks of ep dp ranks)"),
     ({"ep": 3, "dp": 3, "n_experts": 4}, "--n-experts 4 is not divisible by --ep 3"),
-    ({"ep": 2, "dp": 2, "zero": 2}, "--ep with --zero 2 is not built yet (use --zero 0 or 1)"),
+    ({"ep": 2, "dp": 2, "zero": 3, "chunk_mb": 1.0}, "--ep 2 with chunked ZeRO-3 (--offload, --chunk-mb, "
+                                                     "--device-mem-mb) is not built yet"),
     ({"tp": 2, "dp": 1, "sp": True}, "--model moe does not support --sp"),
 ])
 def test_bad_expert_parallel_layouts_are_one_line(changes, message):
