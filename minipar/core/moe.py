@@ -43,6 +43,7 @@ from minipar.core.nn import (
     Linear,
     causal_attention,
 )
+from minipar.core.recompute import recomputing
 
 
 @dataclass
@@ -163,9 +164,12 @@ class MoELayer(Module):
         self.tokens_per_expert: list[int] = []
 
     def attach_aux_loss(self, out, aux: Tensor):
-        """Record this forward's routing and hand back `out` carrying the aux loss's gradient."""
+        """Record this forward's routing (once: not again when `--recompute full` reruns the block in
+        backward, which routes the same tokens alike) and hand back `out` carrying the aux loss's
+        gradient (the rerun's graph carries it then)."""
         self.aux_loss = aux
-        self.routing.record(self.index, aux.item(), self.tokens_per_expert)
+        if not recomputing():
+            self.routing.record(self.index, aux.item(), self.tokens_per_expert)
         return AttachAuxLoss.apply(out, aux, self.routing)
 
     def forward(self, x):
@@ -207,7 +211,8 @@ class MoEGPT(GPT):
         self.routing = RoutingStats(moe.n_experts)
         self.embed = GPTEmbedding(cfg)
         self.blocks = ModuleList([Block(cfg, CausalSelfAttention(cfg, recompute == "selective", attention),
-                                        layer(cfg, moe, self.routing)) for _ in range(cfg.n_layer)])
+                                        layer(cfg, moe, self.routing), recompute=recompute == "full")
+                                  for _ in range(cfg.n_layer)])
         self.head = GPTHead(cfg)
         if seed is not None:
             self.init_parameters(seed)
@@ -248,7 +253,4 @@ def config_errors(cfg) -> list[str]:
         errors.append("--model moe does not support --sp (routing needs whole sequences on each rank)")
     if cfg.cp > 1:
         errors.append("--model moe does not support --cp > 1 yet (experts with --cp are not built)")
-    if cfg.recompute == "full":
-        errors.append("--model moe does not support --recompute full yet (the aux loss is taken "
-                      "from the forward pass)")
     return errors

@@ -140,12 +140,14 @@ class AuxLossRunner(Runner):
 
 def dispatch_bytes_per_step(cfg, local_sequences: int) -> int:
     """All-to-all bytes one rank sends per step: 4 all-to-alls per MoE layer and micro-batch (two
-    forward, two backward), each (ep-1)/ep of the padded buffer n_experts * b * C * d_model."""
+    forward, two backward; 6 with --recompute full, whose backward reruns the forward's two), each
+    (ep-1)/ep of the padded buffer n_experts * b * C * d_model."""
     itemsize = 8 if cfg.precision == "fp64" else 4
     capacity = MoEConfig(cfg.n_experts, cfg.top_k, cfg.capacity_factor).capacity(cfg.seq_len)
     b = local_sequences // cfg.microbatches
     buffer = cfg.n_experts * b * capacity * cfg.d_model * itemsize
-    return 4 * cfg.n_layer * cfg.microbatches * buffer * (cfg.ep - 1) // cfg.ep
+    per_layer = 6 if cfg.recompute == "full" else 4
+    return per_layer * cfg.n_layer * cfg.microbatches * buffer * (cfg.ep - 1) // cfg.ep
 
 
 class ExpertParallelUpdater(LocalUpdater):

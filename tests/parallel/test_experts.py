@@ -163,12 +163,25 @@ def tiny(**changes) -> TrainConfig:
     ({"top_k": 5}, "--top-k must be between 1 and --n-experts 4 (got 5)"),
     ({"capacity_factor": 0.0}, "--capacity-factor must be a positive number (got 0.0)"),
     ({"aux_loss_coef": -1.0}, "--aux-loss-coef must be a non-negative number (got -1.0)"),
-    ({"recompute": "full"}, "--model moe does not support --recompute full yet"),
     ({"cp": 2, "dp": 1}, "--model moe does not support --cp > 1 yet"),
 ])
 def test_bad_moe_options_are_one_line(changes, message):
     errors = validate(tiny(**changes), 1)
     assert any(e.startswith(message) for e in errors), errors
+
+
+def test_full_recomputation_trains_like_no_recomputation():
+    """--recompute full reruns each block in backward: the aux loss's gradient comes from the rerun's
+    graph, the routing statistics are counted once (one process; the reference does not recompute)."""
+    cfg = tiny(dp=1, recompute="full", aux_loss_coef=0.5)
+    trainer = Trainer(cfg, MPI.COMM_SELF)
+    records = trainer.run()
+    check = compare_with_reference(cfg, records, trainer.full_state())
+    assert check["max_rel_loss_deviation"] <= 1e-9, check
+    assert check["max_rel_weight_deviation"] <= 1e-9, check
+    alone = Trainer(cfg.single_process(), MPI.COMM_SELF).run()
+    assert [r["tokens_per_expert"] for r in records] == [r["tokens_per_expert"] for r in alone]
+    assert [r["aux_loss"] for r in records] == pytest.approx([r["aux_loss"] for r in alone], rel=1e-12)
 
 
 def test_bad_option_exits_2_with_one_line():
@@ -221,25 +234,27 @@ PP_LAYOUTS = [(WORLD.size // 2, 1, 2, 1 if WORLD.size == 2 else 2)] if WORLD.siz
 @mpi_given(max_examples=3, layout=st.sampled_from(EP_LAYOUTS + PP_LAYOUTS or [(2, 1, 1, 2)]),
            top_k=st.sampled_from([1, 2]), capacity_factor=st.sampled_from([0.5, 1.0, 1.5]),
            microbatches=st.sampled_from([1, 2]), zero=st.sampled_from([0, 1, 2, 3]),
-           seed=st.integers(0, 2**16),
+           recompute=st.sampled_from(["none", "full"]), seed=st.integers(0, 2**16),
            examples=[at_world_size((4,), layout=(4, 1, 1, 2), top_k=2, capacity_factor=0.5, microbatches=2,
-                                   zero=1, seed=1),
+                                   zero=1, recompute="none", seed=1),
                      at_world_size((4,), layout=(2, 2, 1, 2), top_k=1, capacity_factor=1.0, microbatches=1,
-                                   zero=1, seed=2),
+                                   zero=1, recompute="full", seed=2),
                      at_world_size((2,), layout=(1, 1, 2, 1), top_k=2, capacity_factor=0.5, microbatches=2,
-                                   zero=0, seed=3),
+                                   zero=0, recompute="full", seed=3),
                      at_world_size((4,), layout=(2, 1, 2, 2), top_k=2, capacity_factor=1.0, microbatches=2,
-                                   zero=3, seed=4),
+                                   zero=3, recompute="full", seed=4),
                      at_world_size((4,), layout=(4, 1, 1, 2), top_k=1, capacity_factor=1.5, microbatches=2,
-                                   zero=2, seed=5)])
-def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor, microbatches, zero, seed):
+                                   zero=2, recompute="none", seed=5)])
+def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor, microbatches, zero,
+                                                 recompute, seed):
     """Experts split over ep ranks inside dp (with tp or pp too, ZeRO 0-3 over edp and dp), and MoE
     on a pipeline: losses, weights and the routing stats of one process (the aux loss's gradient
-    reaches every stage, its value summed over stages), and the all-to-all bytes of every step equal
-    their formula, from the ledger."""
+    reaches every stage, its value summed over stages; with --recompute full, from the rerun block's
+    graph, the routing counted once), and the all-to-all bytes of every step equal their formula,
+    from the ledger."""
     dp, tp, pp, ep = layout
     cfg = tiny(dp=dp, tp=tp, pp=pp, ep=ep, top_k=top_k, capacity_factor=capacity_factor,
-               microbatches=microbatches, zero=zero, seed=seed, aux_loss_coef=0.5)
+               microbatches=microbatches, zero=zero, recompute=recompute, seed=seed, aux_loss_coef=0.5)
     records = trains_like_one_process(cfg)
     if WORLD.rank == 0:
         alone = Trainer(cfg.single_process(), MPI.COMM_SELF).run()
@@ -249,11 +264,14 @@ def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor,
         if ep == 1:
             return
         # 4 all-to-alls per layer of this stage and micro-batch (dispatch and combine, forward and
-        # backward), each sending ep-1 of its ep blocks: (E, b, C, d) fp64 elements, b this rank's sequences
+        # backward; 6 when backward reruns the forward), each sending ep-1 of its ep blocks: (E, b, C, d)
+        # fp64 elements, b this rank's sequences
         layers = cfg.n_layer // pp  # 2 blocks on 2 stages: one each (embedding and head are lighter)
         C = math.ceil(capacity_factor * cfg.seq_len * top_k / cfg.n_experts)
         b = cfg.batch_size // dp // microbatches
-        expected = 4 * layers * microbatches * (ep - 1) * (cfg.n_experts // ep) * b * C * cfg.d_model * 8
+        per_layer = 6 if recompute == "full" else 4
+        block = (cfg.n_experts // ep) * b * C * cfg.d_model * 8
+        expected = per_layer * layers * microbatches * (ep - 1) * block
         for r in records:
             assert r["comm"]["by_dim_op"]["ep"]["all_to_all"] == expected, r["comm"]
         if zero and dp // ep > 1:  # experts' states sharded over edp: reduce-scatter + all-gather
