@@ -99,7 +99,7 @@ class RoutingStats:
         self.n_experts = n_experts
         self.aux_grad = 0.0
         self.pending = 0.0  # summed per-sequence aux losses (before coef / sequences) not yet settled
-        self.aux_total = 0.0  # the aux part of the losses settled since the last `take`
+        self.routed = 0.0  # the same sum, of every forward since the last `take` (for the log)
         self.kept: list[list[int]] = []  # per block, in the order the layers were made
 
     def add_layer(self) -> int:
@@ -109,6 +109,7 @@ class RoutingStats:
 
     def record(self, layer: int, aux: float, kept: list[int]) -> None:
         self.pending += aux
+        self.routed += aux
         self.kept[layer] = [a + b for a, b in zip(self.kept[layer], kept)]
 
     def set_normaliser(self, coef: float, seq_len: int, normaliser) -> None:
@@ -118,14 +119,15 @@ class RoutingStats:
         """The aux part of the loss of the forwards since the last settle (its value: the gradient
         is already attached to the activations)."""
         value = self.pending * self.aux_grad
-        self.aux_total += value
         self.pending = 0.0
         return value
 
-    def take(self) -> tuple[float, list[list[int]]]:
-        """The aux part of the losses and the tokens each block's experts kept since the last take."""
-        stats = (self.aux_total, self.kept)
-        self.aux_total, self.kept = 0.0, [[0] * self.n_experts for _ in self.kept]
+    def take(self, coef: float, sequences: int) -> tuple[float, list[list[int]]]:
+        """The aux part of the loss, coef * (summed per-sequence aux losses) / `sequences` (the global
+        batch's: without fp16's loss scale, which `aux_grad` carries), and the tokens each block's
+        experts kept, since the last take."""
+        stats = (coef * self.routed / sequences, self.kept)
+        self.routed, self.kept = 0.0, [[0] * self.n_experts for _ in self.kept]
         return stats
 
 
@@ -225,10 +227,10 @@ class MoEGPT(GPT):
         self.routing.set_normaliser(self.moe.aux_loss_coef, targets.shape[1], normaliser)
         return lm + self.routing.settle()
 
-    def take_routing_stats(self) -> tuple[float, list[list[int]]]:
-        """This model's aux-loss part of the losses and the tokens each block's experts kept, since
-        the last call (for the log)."""
-        return self.routing.take()
+    def take_routing_stats(self, sequences: int) -> tuple[float, list[list[int]]]:
+        """This model's aux-loss part of the losses over a batch of `sequences` and the tokens each
+        block's experts kept, since the last call (for the log)."""
+        return self.routing.take(self.moe.aux_loss_coef, sequences)
 
 
 def routing_of(model) -> RoutingStats | None:

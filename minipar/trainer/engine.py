@@ -44,10 +44,10 @@ class Engine:
         self.model.zero_grad()
         loss = self.runner.forward_backward(inputs[mine], targets[mine], self.normaliser(targets))
         self.updater.step()
-        self.routing = self.global_routing_stats()
+        self.routing = self.global_routing_stats(len(targets))
         return self.global_loss(loss)
 
-    def global_routing_stats(self) -> dict | None:
+    def global_routing_stats(self, sequences: int) -> dict | None:
         """--model moe: the load-balancing part of the step's loss and the tokens each block's
         experts kept, summed over the replicas and the pipeline stages (each block is on one stage;
         tp ranks route alike, so each counts once) (None for other models). Uncharged control bytes."""
@@ -56,7 +56,7 @@ class Engine:
         if self.routing_stats is None:  # a stage without MoE layers: nothing routed
             aux, kept = 0.0, np.zeros((self.cfg.n_layer, self.cfg.n_experts), dtype=np.int64).tolist()
         else:
-            aux, kept = self.routing_stats.take()
+            aux, kept = self.routing_stats.take(self.cfg.aux_loss_coef, sequences)
         for comm in (self.grid.dp_cp, self.grid.pp):
             every = comm.allgather_obj((aux, kept))
             aux, kept = sum(a for a, _ in every), np.sum([k for _, k in every], axis=0).tolist()

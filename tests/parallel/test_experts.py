@@ -144,10 +144,10 @@ def test_aux_loss_is_the_coefficient_times_the_mean_over_sequences():
     model, ids, targets = small_moe(coef=0.5)
     total = model.loss(model(ids), targets, targets.size).item()
     per_block = [b.mlp.aux_loss.item() for b in model.blocks]
-    aux, kept = model.take_routing_stats()
+    aux, kept = model.take_routing_stats(ids.shape[0])
     assert aux == pytest.approx(0.5 * sum(per_block) / ids.shape[0], rel=1e-13)
     assert kept == [b.mlp.tokens_per_expert for b in model.blocks]
-    assert model.take_routing_stats()[0] == 0.0  # taken once
+    assert model.take_routing_stats(ids.shape[0])[0] == 0.0  # taken once
     model.moe.aux_loss_coef = 0.0
     assert model.loss(model(ids), targets, targets.size).item() < total
 
@@ -182,6 +182,16 @@ def test_full_recomputation_trains_like_no_recomputation():
     alone = Trainer(cfg.single_process(), MPI.COMM_SELF).run()
     assert [r["tokens_per_expert"] for r in records] == [r["tokens_per_expert"] for r in alone]
     assert [r["aux_loss"] for r in records] == pytest.approx([r["aux_loss"] for r in alone], rel=1e-12)
+
+
+def test_logged_aux_loss_is_without_the_fp16_loss_scale():
+    """fp16 scales the loss (and so the aux loss's gradient) by 2^16; the logged aux_loss is the
+    loss's part, unscaled: the fp32 run's within 16-bit rounding (it was 65536 times that)."""
+    fp32 = Trainer(tiny(dp=1, precision="fp32", aux_loss_coef=0.5), MPI.COMM_SELF).run()
+    fp16 = Trainer(tiny(dp=1, precision="fp16", aux_loss_coef=0.5), MPI.COMM_SELF).run()
+    assert fp16[0]["loss_scaling"]["loss_scale"] > 1
+    for low, full in zip(fp16, fp32):
+        assert low["aux_loss"] == pytest.approx(full["aux_loss"], rel=1e-2)
 
 
 def test_bad_option_exits_2_with_one_line():
