@@ -13,7 +13,10 @@ carries them on). Capacity and the auxiliary load-balancing loss are computed pe
 Auxiliary loss (Switch, per sequence): aux_s = E * sum_e f_e * P_e, with f_e the share of the
 sequence's T*k assignments that chose e (before dropping) and P_e the router's mean probability for e
 over the sequence; summed over blocks, averaged over the global batch's sequences, times
-`--aux-loss-coef`. Its gradient flows through P only (the choice is not differentiable).
+`--aux-loss-coef`. Its gradient flows through P only (the choice is not differentiable). Each layer
+attaches its aux loss to its output (`AttachAuxLoss`, Megatron's `MoEAuxLossAutoScaler`): the output
+passes unchanged and backward gives the aux loss its gradient there, so the aux terms of a block
+reach its router on whichever pipeline stage holds it, with nothing added to the last stage's loss.
 
 What it costs: E times the MLP parameters and their optimizer states (expert parallelism,
 parallel/experts.py, splits them over ranks; tokens then travel to their expert and back by all-to-all).
@@ -40,6 +43,7 @@ from minipar.core.nn import (
     Linear,
     causal_attention,
 )
+from minipar.core.recompute import recomputing
 
 
 @dataclass
@@ -85,25 +89,97 @@ class IndexAdd(Function):
         return g[ctx.index], None, None
 
 
+class RoutingStats:
+    """What the MoE layers of one model routed, shared by the model and its layers (so by every
+    pipeline stage cut from it): per block, the tokens each expert kept; the aux losses of forwards
+    not yet counted in a loss; and `aux_grad`, d(loss)/d(a summed per-sequence aux loss) this step:
+    coef / global sequences = coef * T / normaliser (the normaliser carries fp16's loss scale)."""
+
+    def __init__(self, n_experts: int):
+        self.n_experts = n_experts
+        self.aux_grad = 0.0
+        self.pending = 0.0  # summed per-sequence aux losses (before coef / sequences) not yet settled
+        self.routed = 0.0  # the same sum, of every forward since the last `take` (for the log)
+        self.kept: list[list[int]] = []  # per block, in the order the layers were made
+
+    def add_layer(self) -> int:
+        """A place for one more layer's counts; layers are made in block order, so it is the block's."""
+        self.kept.append([0] * self.n_experts)
+        return len(self.kept) - 1
+
+    def record(self, layer: int, aux: float, kept: list[int]) -> None:
+        self.pending += aux
+        self.routed += aux
+        self.kept[layer] = [a + b for a, b in zip(self.kept[layer], kept)]
+
+    def set_normaliser(self, coef: float, seq_len: int, normaliser) -> None:
+        self.aux_grad = coef * seq_len / normaliser
+
+    def settle(self) -> float:
+        """The aux part of the loss of the forwards since the last settle (its value: the gradient
+        is already attached to the activations)."""
+        value = self.pending * self.aux_grad
+        self.pending = 0.0
+        return value
+
+    def take(self, coef: float, sequences: int) -> tuple[float, list[list[int]]]:
+        """The aux part of the loss, coef * (summed per-sequence aux losses) / `sequences` (the global
+        batch's: without fp16's loss scale, which `aux_grad` carries), and the tokens each block's
+        experts kept, since the last take."""
+        stats = (coef * self.routed / sequences, self.kept)
+        self.routed, self.kept = 0.0, [[0] * self.n_experts for _ in self.kept]
+        return stats
+
+
+class AttachAuxLoss(Function):
+    """Forward: the activations x, unchanged. Backward: x's gradient passes on, and the aux loss gets
+    `routing.aux_grad` (Megatron's MoEAuxLossAutoScaler): the aux loss joins the backward pass at
+    its layer's output, on the rank that holds the layer, without being added to the loss tensor."""
+
+    @staticmethod
+    def forward(ctx, x, aux, routing: RoutingStats):
+        ctx.routing, ctx.aux_like = routing, aux
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, xp_of(g).full_like(ctx.aux_like, ctx.routing.aux_grad), None
+
+
 class MoELayer(Module):
     """Router plus E expert MLPs in place of a block's MLP. After each forward, `aux_loss` holds this
     layer's summed per-sequence aux loss (a Tensor, before the coefficient and the 1/sequences) and
-    `tokens_per_expert` (E,) the assignments each expert kept."""
+    `tokens_per_expert` (E,) the assignments each expert kept; both also go to `routing`, the model's
+    RoutingStats (a layer made alone has its own)."""
 
-    def __init__(self, cfg: GPTConfig, moe: MoEConfig):
+    def __init__(self, cfg: GPTConfig, moe: MoEConfig, routing: RoutingStats | None = None):
         super().__init__()
         self.moe = moe
         self.router = Linear(cfg.d_model, moe.n_experts, bias=False, dtype=cfg.dtype)
         self.experts = ModuleList([MLP(cfg) for _ in range(moe.n_experts)])
+        self.join_routing(routing)
+
+    def join_routing(self, routing: RoutingStats | None) -> None:
+        self.routing = routing if routing is not None else RoutingStats(self.moe.n_experts)
+        self.index = self.routing.add_layer()
         self.aux_loss: Tensor | None = None
         self.tokens_per_expert: list[int] = []
+
+    def attach_aux_loss(self, out, aux: Tensor):
+        """Record this forward's routing (once: not again when `--recompute full` reruns the block in
+        backward, which routes the same tokens alike) and hand back `out` carrying the aux loss's
+        gradient (the rerun's graph carries it then)."""
+        self.aux_loss = aux
+        if not recomputing():
+            self.routing.record(self.index, aux.item(), self.tokens_per_expert)
+        return AttachAuxLoss.apply(out, aux, self.routing)
 
     def forward(self, x):
         B, T, D = x.shape
         E, k = self.moe.n_experts, self.moe.top_k
         probs = F.softmax(self.router(x), axis=-1)
         choice, kept, counts, _ = route(probs.data, k, self.moe.capacity(T))
-        self.aux_loss = self.sequence_aux_loss(probs, counts, T)
+        aux = self.sequence_aux_loss(probs, counts, T)
         flat_x, flat_probs = x.reshape(B * T, D), probs.reshape(B * T, E)
         tokens = xp_of(x.data).repeat(xp_of(x.data).arange(B * T), k)  # token of each assignment
         experts, keep = choice.reshape(-1), kept.reshape(-1)
@@ -116,7 +192,7 @@ class MoELayer(Module):
         out = outputs[0]
         for y in outputs[1:]:
             out = out + y
-        return out.reshape(B, T, D)
+        return self.attach_aux_loss(out.reshape(B, T, D), aux)
 
     def sequence_aux_loss(self, probs, counts, T: int):
         """sum over sequences of E * sum_e (counts_e / (T k)) * mean_t probs_e, as one weighted sum."""
@@ -126,47 +202,41 @@ class MoELayer(Module):
 
 
 class MoEGPT(GPT):
-    """GPT with every block's MLP a MoELayer (`layer(cfg, moe)` makes them: expert parallelism passes its
-    own); the same units, embedding, attention and head."""
+    """GPT with every block's MLP a MoELayer (`layer(cfg, moe, routing)` makes them: expert parallelism
+    passes its own); the same units, embedding, attention and head. `routing` (RoutingStats) is what
+    its layers routed."""
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, seed: int | None = 0, recompute: str = "none",
                  attention=causal_attention, layer=MoELayer):
         Module.__init__(self)  # GPT's __init__ would build dense blocks: this builds MoE ones
         self.config, self.moe = cfg, moe
+        self.routing = RoutingStats(moe.n_experts)
         self.embed = GPTEmbedding(cfg)
         self.blocks = ModuleList([Block(cfg, CausalSelfAttention(cfg, recompute == "selective", attention),
-                                        layer(cfg, moe)) for _ in range(cfg.n_layer)])
+                                        layer(cfg, moe, self.routing), recompute=recompute == "full")
+                                  for _ in range(cfg.n_layer)])
         self.head = GPTHead(cfg)
-        self.start_routing_stats(moe)
         if seed is not None:
             self.init_parameters(seed)
 
-    def start_routing_stats(self, moe: MoEConfig) -> None:
-        self.moe = moe
-        self.aux_loss_total = 0.0  # the aux-loss part of the losses since the last `take_routing_stats`
-        self.kept_total = [[0] * moe.n_experts for _ in range(self.config.n_layer)]  # per block and expert
-
     def loss_and_correct(self, logits, targets, normaliser: int):
         """The language-model loss (GPT's, or the next class's in the MRO: tensor parallelism's) plus
-        coef * (summed per-sequence aux losses) / global sequences; the language model's predictions."""
+        coef * (summed per-sequence aux losses) / global sequences: its value here, its gradient
+        already attached to the layers' outputs (it needs this normaliser, so set it before backward);
+        and where the language model's predictions are right."""
         lm, correct = super().loss_and_correct(logits, targets, normaliser)
-        sequences = normaliser / targets.shape[1]
-        aux = self.blocks[0].mlp.aux_loss
-        for block in list(self.blocks)[1:]:
-            aux = aux + block.mlp.aux_loss
-        for block, kept in zip(self.blocks, self.kept_total):
-            kept[:] = [a + b for a, b in zip(kept, block.mlp.tokens_per_expert)]
-        aux = aux * (self.moe.aux_loss_coef / sequences)
-        self.aux_loss_total += aux.item()
-        return lm + aux, correct
+        self.routing.set_normaliser(self.moe.aux_loss_coef, targets.shape[1], normaliser)
+        return lm + self.routing.settle(), correct
 
-    def take_routing_stats(self) -> tuple[float, list[list[int]]]:
-        """This rank's aux-loss part of the losses and the tokens each block's experts kept, since
-        the last call (for the log)."""
-        stats = (self.aux_loss_total, self.kept_total)
-        self.aux_loss_total = 0.0
-        self.kept_total = [[0] * self.moe.n_experts for _ in self.blocks]
-        return stats
+    def take_routing_stats(self, sequences: int) -> tuple[float, list[list[int]]]:
+        """This model's aux-loss part of the losses over a batch of `sequences` and the tokens each
+        block's experts kept, since the last call (for the log)."""
+        return self.routing.take(self.moe.aux_loss_coef, sequences)
+
+
+def routing_of(model) -> RoutingStats | None:
+    """The RoutingStats of the MoE layers in `model` (a whole model or a pipeline stage), or None."""
+    return next((m.routing for m in model.modules() if isinstance(m, MoELayer)), None)
 
 
 def config_errors(cfg) -> list[str]:
@@ -184,10 +254,6 @@ def config_errors(cfg) -> list[str]:
         errors.append(f"--aux-loss-coef must be a non-negative number (got {cfg.aux_loss_coef})")
     if cfg.sp:
         errors.append("--model moe does not support --sp (routing needs whole sequences on each rank)")
-    for flag, size in (("--pp", cfg.pp), ("--cp", cfg.cp)):
-        if size > 1:
-            errors.append(f"--model moe does not support {flag} > 1 yet (experts with {flag} are not built)")
-    if cfg.recompute == "full":
-        errors.append("--model moe does not support --recompute full yet (the aux loss is taken "
-                      "from the forward pass)")
+    if cfg.cp > 1:
+        errors.append("--model moe does not support --cp > 1 yet (experts with --cp are not built)")
     return errors

@@ -21,10 +21,29 @@ Lesson: lessons/01_autograd.md.
 
 from __future__ import annotations
 
+import contextlib
+
 from minipar.core import autograd
 from minipar.core.autograd import Function, Tensor
 
 RECOMPUTE_MODES = ("none", "selective", "full")  # `minipar train --recompute`
+_rerunning = 0  # how many Recompute backwards are rerunning their function now (they may nest)
+
+
+def recomputing() -> bool:
+    """Whether this forward is a Recompute backward's rerun: a layer that records what its forward
+    did (MoE's routing statistics, core/moe.py) records it in the first pass only."""
+    return _rerunning > 0
+
+
+@contextlib.contextmanager
+def rerunning():
+    global _rerunning
+    _rerunning += 1
+    try:
+        yield
+    finally:
+        _rerunning -= 1
 
 
 class Recompute(Function):
@@ -44,7 +63,7 @@ class Recompute(Function):
     def backward(ctx, grad):
         needed = ctx.needs_input_grad[2:]
         inputs = [Tensor(a, requires_grad=needs) for a, needs in zip(ctx.saved, needed)]
-        with autograd.enable_grad():
+        with autograd.enable_grad(), rerunning():
             output = ctx.function(*inputs)
         output.backward(grad)  # the parameters' gradients accumulate into their .grad here
         parameters = [None] * (len(needed) - len(inputs))

@@ -37,8 +37,9 @@ class Runner(Protocol):
     @abstractmethod
     def forward_backward(self, inputs, targets, normaliser: int, scored=None) -> float:
         """Accumulate the gradients of this slice's loss (divided by the global `normaliser`); return the
-        summed loss (0.0 on pipeline stages that have none). Collective in pipeline parallelism.
-        `scored` (bool, targets' shape; None: all of them) marks the predictions the accuracy counts."""
+        summed loss (0.0 on pipeline stages that have none; with MoE, a stage adds its layers' aux part).
+        Collective in pipeline parallelism. `scored` (bool, targets' shape; None: all of them) marks the
+        predictions the accuracy counts."""
 
     def correct_count(self) -> int | None:
         """How many of the last step's scored predictions this rank's loss found right (0 on pipeline

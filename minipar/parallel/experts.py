@@ -8,7 +8,10 @@ into a dispatch buffer padded to capacity, (n, b, C, d) for its b sequences, and
 the ep group sends expert e's rows to e's rank; the experts run on what arrives, and a second
 all-to-all brings the outputs home to be weighted by the gates. Gradients: the router's and the
 attention's are summed over all of dp; an expert's only over the ranks that hold it (the
-expert-data-parallel group "edp": the same place in every ep block).
+expert-data-parallel group "edp": the same place in every ep block). ZeRO (stages 1-3) shards the
+experts' states over edp and reduce-scatters their gradients there, the rest over dp
+(`ExpertParallelZero`). With a pipeline, each layer's aux loss reaches its router on its own stage
+(core/moe.py's AttachAuxLoss, told the step's normaliser by `AuxLossRunner`).
 
 What it saves: each rank holds n/E experts instead of n (their parameters, gradients and optimizer
 states). What it costs: two all-to-alls forward and two backward per MoE layer, each (E-1)/E of the
@@ -18,17 +21,21 @@ Lesson: lessons/15_experts.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 from minipar.core import functional as F
 from minipar.core.autograd import Function, no_grad
 from minipar.core.backend import xp_of
 from minipar.core.module import Module, ModuleList
-from minipar.core.moe import IndexAdd, MoEConfig, MoEGPT, MoELayer, route
+from minipar.core.moe import IndexAdd, MoEConfig, MoEGPT, MoELayer, RoutingStats, route
 from minipar.core.nn import MLP, GPTConfig, Linear
 from minipar.dist import collectives
 from minipar.dist.comm import Comm, ProcessGrid
-from minipar.parallel.api import LocalUpdater, Updater
+from minipar.parallel.api import LocalUpdater, Runner, Updater
 from minipar.parallel.tensor_gpt import TensorParallelGPT
-from minipar.parallel.zero import ZeroStage1
+from minipar.parallel.zero import ZeroStage1, ZeroStage2
+from minipar.parallel.zero3 import ZeroStage3
 
 
 class ExpertGroups:
@@ -72,21 +79,21 @@ class LocalExperts(ModuleList):
 class ExpertParallelMoELayer(MoELayer):
     """MoELayer whose experts live on the ranks of `groups.ep`; the same routing and aux loss."""
 
-    def __init__(self, cfg: GPTConfig, moe: MoEConfig, groups: ExpertGroups):
+    def __init__(self, cfg: GPTConfig, moe: MoEConfig, routing: RoutingStats | None = None, *,
+                 groups: ExpertGroups):
         Module.__init__(self)  # MoELayer's __init__ would build every expert: this builds this rank's
         self.moe, self.groups = moe, groups
         self.per_rank = moe.n_experts // groups.ep.size
         self.router = Linear(cfg.d_model, moe.n_experts, bias=False, dtype=cfg.dtype)
         self.experts = LocalExperts(cfg, groups.ep.rank * self.per_rank, self.per_rank)
-        self.aux_loss = None
-        self.tokens_per_expert = []
+        self.join_routing(routing)
 
     def forward(self, x):
         B, T, D = x.shape
         E, k, C = self.moe.n_experts, self.moe.top_k, self.moe.capacity(T)
         probs = F.softmax(self.router(x), axis=-1)
         choice, kept, counts, slot = route(probs.data, k, C)
-        self.aux_loss = self.sequence_aux_loss(probs, counts, T)
+        aux = self.sequence_aux_loss(probs, counts, T)
         xp = xp_of(x.data)
         keep = kept.reshape(-1)
         tokens = xp.repeat(xp.arange(B * T), k)[keep]
@@ -97,7 +104,7 @@ class ExpertParallelMoELayer(MoELayer):
         dispatch = IndexAdd.apply(x.reshape(B * T, D)[tokens], rows, E * B * C)
         outputs = self.run_experts(dispatch.reshape(self.groups.ep.size, self.per_rank * B * C * D), B, C, D)
         gate = probs.reshape(B * T, E)[tokens, experts].reshape(len(tokens), 1)
-        return IndexAdd.apply(outputs[rows] * gate, tokens, B * T).reshape(B, T, D)
+        return self.attach_aux_loss(IndexAdd.apply(outputs[rows] * gate, tokens, B * T).reshape(B, T, D), aux)
 
     def run_experts(self, dispatch, B: int, C: int, D: int):
         """All-to-all the dispatch buffer, run each local expert on its rows from every ep rank (padding
@@ -110,14 +117,40 @@ class ExpertParallelMoELayer(MoELayer):
         return AllToAll.apply(back, self.groups.ep).reshape(self.moe.n_experts * B * C, D)
 
 
+class AuxLossRunner(Runner):
+    """The inner runner, with the MoE layers told this step's aux-loss gradient (coef / global
+    sequences, from the normaliser) before any backward: a pipeline stage that holds MoE layers but
+    not the loss gets it here. Its loss adds the aux part of its layers that no loss counted (every
+    stage before the last), so the losses summed over stages are one process's."""
+
+    def __init__(self, runner: Runner, routing: RoutingStats, coef: float):
+        self.runner, self.routing, self.coef = runner, routing, coef
+
+    def forward_backward(self, inputs, targets, normaliser: int, scored=None) -> float:
+        self.routing.set_normaliser(self.coef, targets.shape[1], normaliser)
+        loss = self.runner.forward_backward(inputs, targets, normaliser, scored)
+        return loss + self.routing.settle()
+
+    def correct_count(self) -> int | None:
+        return self.runner.correct_count()
+
+    def timing(self) -> dict | None:
+        return self.runner.timing()
+
+    def log_record(self) -> dict | None:
+        return self.runner.log_record()
+
+
 def dispatch_bytes_per_step(cfg, local_sequences: int) -> int:
     """All-to-all bytes one rank sends per step: 4 all-to-alls per MoE layer and micro-batch (two
-    forward, two backward), each (ep-1)/ep of the padded buffer n_experts * b * C * d_model."""
+    forward, two backward; 6 with --recompute full, whose backward reruns the forward's two), each
+    (ep-1)/ep of the padded buffer n_experts * b * C * d_model."""
     itemsize = 8 if cfg.precision == "fp64" else 4
     capacity = MoEConfig(cfg.n_experts, cfg.top_k, cfg.capacity_factor).capacity(cfg.seq_len)
     b = local_sequences // cfg.microbatches
     buffer = cfg.n_experts * b * capacity * cfg.d_model * itemsize
-    return 4 * cfg.n_layer * cfg.microbatches * buffer * (cfg.ep - 1) // cfg.ep
+    per_layer = 6 if cfg.recompute == "full" else 4
+    return per_layer * cfg.n_layer * cfg.microbatches * buffer * (cfg.ep - 1) // cfg.ep
 
 
 class ExpertParallelUpdater(LocalUpdater):
@@ -145,9 +178,10 @@ class TensorParallelMoEGPT(MoEGPT, TensorParallelGPT):
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, comm: Comm, seed: int | None = 0,
                  recompute: str = "none", layer=MoELayer):
+        self.routing = RoutingStats(moe.n_experts)
         TensorParallelGPT.__init__(self, cfg, comm, seed=None, recompute=recompute,
-                                   mlp=lambda: layer(cfg, moe))
-        self.start_routing_stats(moe)
+                                   mlp=lambda: layer(cfg, moe, self.routing))
+        self.moe = moe
         if seed is not None:
             self.init_parameters(seed)
 
@@ -167,27 +201,46 @@ class ModelPart:
 
 
 class UnitPart:
-    """The parameters of one unit that a ModelPart picks (only `parameters()`: what ZeRO-1 asks)."""
+    """The parameters of one unit that a ModelPart picks; its hooks are the unit's own (ZeRO 2-3 hook
+    the unit: each part's hook then moves only that part's parameters and gradients)."""
 
     def __init__(self, unit, prefix: str, wanted):
+        self.unit = unit
         self.chosen = [p for name, p in unit.named_parameters() if wanted(f"{prefix}.{name}")]
 
     def parameters(self):
         return self.chosen
+
+    def register_forward_pre_hook(self, hook):
+        return self.unit.register_forward_pre_hook(hook)
+
+    def register_forward_hook(self, hook):
+        return self.unit.register_forward_hook(hook)
+
+    def register_full_backward_pre_hook(self, hook):
+        return self.unit.register_full_backward_pre_hook(hook)
+
+    def register_full_backward_hook(self, hook):
+        return self.unit.register_full_backward_hook(hook)
 
 
 def is_expert(name: str) -> bool:
     return ".experts." in name
 
 
-class ExpertParallelZero1(Updater):
-    """ZeRO-1 with experts: the experts' optimizer states sharded over edp (the ranks holding them),
-    the rest over dp; each part is a ZeroStage1 of its own."""
+class ExpertParallelZero(Updater):
+    """ZeRO (stage 1, 2 or 3) with experts: the experts' states sharded over edp (the ranks holding
+    them) and their gradients reduce-scattered over it only, the rest over dp; each part is a ZeRO
+    updater of its own, both hooked on the same units (stages 2-3)."""
 
-    def __init__(self, model, optimizer_of, dp: Comm, groups: ExpertGroups):
+    def __init__(self, model, optimizer_of, dp: Comm, groups: ExpertGroups, stage: int,
+                 prefetch: bool = False):
         self.model = model
-        self.parts = [ZeroStage1(ModelPart(model, lambda n: not is_expert(n)), optimizer_of([]), dp),
-                      ZeroStage1(ModelPart(model, is_expert), optimizer_of([]), groups.edp)]
+        makers: dict[int, Callable[..., Updater]] = {
+            1: ZeroStage1, 2: ZeroStage2, 3: partial(ZeroStage3, prefetch=prefetch)}
+        make = makers[stage]
+        self.parts = [make(ModelPart(model, lambda n: not is_expert(n)), optimizer_of([]), dp),
+                      make(ModelPart(model, is_expert), optimizer_of([]), groups.edp)]
         self.optimizer = self.parts[0].optimizer
 
     def step(self) -> None:
@@ -205,6 +258,9 @@ class ExpertParallelZero1(Updater):
         for part in self.parts:
             part.load_logical(state)
 
+    def local_state(self) -> dict:
+        return {**self.parts[0].local_state(), **self.parts[1].local_state()}
+
 
 def config_errors(cfg) -> list[str]:
     """`--ep`'s checks, one line each."""
@@ -220,6 +276,7 @@ def config_errors(cfg) -> list[str]:
         errors.append(f"--ep {cfg.ep} does not divide dp={dp} (ep groups are blocks of ep dp ranks)")
     if cfg.n_experts % cfg.ep:
         errors.append(f"--n-experts {cfg.n_experts} is not divisible by --ep {cfg.ep}")
-    if cfg.zero > 1:
-        errors.append(f"--ep with --zero {cfg.zero} is not built yet (use --zero 0 or 1)")
+    if cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None:
+        errors.append(f"--ep {cfg.ep} with chunked ZeRO-3 (--offload, --chunk-mb, --device-mem-mb) is not "
+                      "built yet (use --zero 1, 2 or 3)")
     return errors

@@ -22,7 +22,7 @@ from __future__ import annotations
 from functools import partial
 
 from minipar.core import optim
-from minipar.core.moe import MoEConfig, MoEGPT, MoELayer
+from minipar.core.moe import MoEConfig, MoEGPT, MoELayer, routing_of
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet, causal_attention
 from minipar.fusion import training as fused_training
 from minipar.parallel import context, experts, pipeline
@@ -107,6 +107,9 @@ def build_runner(cfg, grid, model):
     if cfg.cp > 1:
         positions = context.zigzag_positions(cfg.seq_len, grid.cp.size, grid.cp_rank)
         runner = context.ContextParallelRunner(runner, model, positions)
+    routing = routing_of(model) if cfg.model == "moe" else None
+    if routing is not None:  # the MoE layers' aux-loss gradient, on every stage that holds one (experts.py)
+        runner = experts.AuxLossRunner(runner, routing, cfg.aux_loss_coef)
     return runner
 
 
@@ -120,9 +123,10 @@ def build_updater(cfg, grid, model, scaler=None):
     if chunked(cfg):
         return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # parallel/zero_chunked.py
     if cfg.ep > 1:  # experts summed over the ranks that hold them, the rest over dp (experts.py)
-        groups = model.blocks[0].mlp.groups
-        if cfg.zero == 1:  # expert states sharded over edp, the rest over dp
-            return experts.ExpertParallelZero1(model, optimizer_of, grid.dp, groups)
+        groups = experts.ExpertGroups(grid, cfg.ep)  # the same communicators as the model's (reused)
+        if cfg.zero:  # expert states (and gradients, parameters) sharded over edp, the rest over dp
+            return experts.ExpertParallelZero(model, optimizer_of, grid.dp, groups, cfg.zero,
+                                              prefetch=not cfg.no_overlap)
         return experts.ExpertParallelUpdater(model, optimizer_of(model.parameters()), grid.dp, groups)
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
         if cfg.zero == 3:  # prefetching the next unit's parameters unless --no-overlap
@@ -143,7 +147,8 @@ def build_engine(cfg, grid) -> Engine:
     # bf16/fp16: 16-bit working weights and activations over the fp32 masters (and, for fp16, the loss
     # scaled by the updater's loss-scaling optimizer)
     runner = mixed_precision.wrap_runner(cfg, model, runner, updater.optimizer)
-    return Engine(cfg, grid, model, runner, updater, loss_scaler_of(updater))
+    return Engine(cfg, grid, model, runner, updater, loss_scaler_of(updater),
+                  routing=routing_of(model) if cfg.model == "moe" else None)
 
 
 def loss_scaler_of(updater):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minipar.core.moe import RoutingStats
 from minipar.parallel.api import Runner, Updater
 from minipar.precision.formats import DynamicLossScaler
 from minipar.trainer.tasks import local_slice
@@ -23,12 +24,14 @@ from minipar.trainer.tasks import local_slice
 class Engine:
     """Runs one global step on this rank and returns the global mean loss (on every rank).
 
-    `loss_scaler` is fp16's dynamic loss scaler (None without one): the checkpoint saves its state."""
+    `loss_scaler` is fp16's dynamic loss scaler (None without one): the checkpoint saves its state.
+    `routing` (--model moe) is what this rank's MoE layers routed (core/moe.py's RoutingStats; None
+    on a pipeline stage without MoE layers)."""
 
     def __init__(self, cfg, grid, model, runner: Runner, updater: Updater,
-                 loss_scaler: DynamicLossScaler | None = None):
+                 loss_scaler: DynamicLossScaler | None = None, routing: RoutingStats | None = None):
         self.cfg, self.grid, self.model, self.runner, self.updater = cfg, grid, model, runner, updater
-        self.loss_scaler = loss_scaler
+        self.loss_scaler, self.routing_stats = loss_scaler, routing
         self.routing: dict | None = None  # --model moe: the last step's aux loss, tokens per expert
         self.accuracy: float | None = None  # the last step's share of scored predictions that were right
 
@@ -44,37 +47,46 @@ class Engine:
         loss = self.runner.forward_backward(inputs[mine], targets[mine], self.normaliser(targets),
                                             None if scored is None else scored[mine])
         self.updater.step()
-        self.routing = self.global_routing_stats()
+        self.routing = self.global_routing_stats(len(targets))
         self.accuracy = self.global_accuracy(targets.size if scored is None else int(scored.sum()))
         return self.global_loss(loss)
 
     def global_accuracy(self, scored: int) -> float | None:
         """The share of the global batch's scored predictions that are right: each rank's count of
         them reduced the way the loss is (summed over the replicas on the last stage, then handed to
-        every stage). None where the runner does not count, or nothing was scored."""
+        every stage; stages without the loss count 0). None where the runner does not count, or
+        nothing was scored."""
         correct = self.runner.correct_count()
         if correct is None:
             return None
         correct = self.global_loss(correct)
         return correct / scored if scored else None
 
-    def global_routing_stats(self) -> dict | None:
+    def global_routing_stats(self, sequences: int) -> dict | None:
         """--model moe: the load-balancing part of the step's loss and the tokens each block's
-        experts kept, summed over the replicas (None for other models). Uncharged control bytes."""
+        experts kept, summed over the replicas and the pipeline stages (each block is on one stage;
+        tp ranks route alike, so each counts once) (None for other models). Uncharged control bytes."""
         if self.cfg.model != "moe":
             return None
-        aux, kept = self.model.take_routing_stats()
-        every = self.grid.dp_cp.allgather_obj((aux, kept))
-        return {"aux_loss": sum(a for a, _ in every),
-                "tokens_per_expert": np.sum([k for _, k in every], axis=0).tolist()}
+        if self.routing_stats is None:  # a stage without MoE layers: nothing routed
+            aux, kept = 0.0, np.zeros((self.cfg.n_layer, self.cfg.n_experts), dtype=np.int64).tolist()
+        else:
+            aux, kept = self.routing_stats.take(self.cfg.aux_loss_coef, sequences)
+        for comm in (self.grid.dp_cp, self.grid.pp):
+            every = comm.allgather_obj((aux, kept))
+            aux, kept = sum(a for a, _ in every), np.sum([k for _, k in every], axis=0).tolist()
+        return {"aux_loss": aux, "tokens_per_expert": kept}
 
-    def global_loss(self, local_loss):
+    def global_loss(self, local_loss) -> float:
         """Sum the replicas' losses (or counts of right predictions) and hand the last stage's value
-        to every rank.
+        to every rank; with MoE, the stages' values summed (each stage's loss holds the aux part of its
+        layers; a count is 0 on every stage but the last).
 
         These few bytes travel as uncharged control messages, so the traffic ledger shows only the
         technique's own communication."""
         grid = self.grid
+        if self.cfg.model == "moe":
+            return grid.pp.allreduce_obj(grid.dp_cp.allreduce_obj(local_loss))
         if grid.pp_rank == grid.pp.size - 1:
             local_loss = grid.dp_cp.allreduce_obj(local_loss)  # with --cp each rank has its tokens' share
         return grid.pp.bcast_obj(local_loss, root=grid.pp.size - 1)

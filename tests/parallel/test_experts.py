@@ -144,10 +144,10 @@ def test_aux_loss_is_the_coefficient_times_the_mean_over_sequences():
     model, ids, targets = small_moe(coef=0.5)
     total = model.loss(model(ids), targets, targets.size).item()
     per_block = [b.mlp.aux_loss.item() for b in model.blocks]
-    aux, kept = model.take_routing_stats()
+    aux, kept = model.take_routing_stats(ids.shape[0])
     assert aux == pytest.approx(0.5 * sum(per_block) / ids.shape[0], rel=1e-13)
     assert kept == [b.mlp.tokens_per_expert for b in model.blocks]
-    assert model.take_routing_stats()[0] == 0.0  # taken once
+    assert model.take_routing_stats(ids.shape[0])[0] == 0.0  # taken once
     model.moe.aux_loss_coef = 0.0
     assert model.loss(model(ids), targets, targets.size).item() < total
 
@@ -163,12 +163,35 @@ def tiny(**changes) -> TrainConfig:
     ({"top_k": 5}, "--top-k must be between 1 and --n-experts 4 (got 5)"),
     ({"capacity_factor": 0.0}, "--capacity-factor must be a positive number (got 0.0)"),
     ({"aux_loss_coef": -1.0}, "--aux-loss-coef must be a non-negative number (got -1.0)"),
-    ({"recompute": "full"}, "--model moe does not support --recompute full yet"),
-    ({"pp": 2, "dp": 1}, "--model moe does not support --pp > 1 yet"),
+    ({"cp": 2, "dp": 1}, "--model moe does not support --cp > 1 yet"),
 ])
 def test_bad_moe_options_are_one_line(changes, message):
     errors = validate(tiny(**changes), 1)
     assert any(e.startswith(message) for e in errors), errors
+
+
+def test_full_recomputation_trains_like_no_recomputation():
+    """--recompute full reruns each block in backward: the aux loss's gradient comes from the rerun's
+    graph, the routing statistics are counted once (one process; the reference does not recompute)."""
+    cfg = tiny(dp=1, recompute="full", aux_loss_coef=0.5)
+    trainer = Trainer(cfg, MPI.COMM_SELF)
+    records = trainer.run()
+    check = compare_with_reference(cfg, records, trainer.full_state())
+    assert check["max_rel_loss_deviation"] <= 1e-9, check
+    assert check["max_rel_weight_deviation"] <= 1e-9, check
+    alone = Trainer(cfg.single_process(), MPI.COMM_SELF).run()
+    assert [r["tokens_per_expert"] for r in records] == [r["tokens_per_expert"] for r in alone]
+    assert [r["aux_loss"] for r in records] == pytest.approx([r["aux_loss"] for r in alone], rel=1e-12)
+
+
+def test_logged_aux_loss_is_without_the_fp16_loss_scale():
+    """fp16 scales the loss (and so the aux loss's gradient) by 2^16; the logged aux_loss is the
+    loss's part, unscaled: the fp32 run's within 16-bit rounding (it was 65536 times that)."""
+    fp32 = Trainer(tiny(dp=1, precision="fp32", aux_loss_coef=0.5), MPI.COMM_SELF).run()
+    fp16 = Trainer(tiny(dp=1, precision="fp16", aux_loss_coef=0.5), MPI.COMM_SELF).run()
+    assert fp16[0]["loss_scaling"]["loss_scale"] > 1
+    for low, full in zip(fp16, fp32):
+        assert low["aux_loss"] == pytest.approx(full["aux_loss"], rel=1e-2)
 
 
 def test_bad_option_exits_2_with_one_line():
@@ -210,37 +233,58 @@ def test_data_parallel_moe_trains_like_one_process(tp, zero, top_k, capacity_fac
             assert np.sum(ref["tokens_per_expert"]) <= cfg.n_layer * cfg.batch_size * cfg.seq_len * top_k
 
 
-# (dp, tp, ep): every dp x tp of this world with ep > 1 dividing dp (MoE layers replicated over tp)
-EP_LAYOUTS = [(WORLD.size // tp, tp, ep) for tp in (1, 2) for ep in (2, 4)
+# (dp, tp, pp, ep): every dp x tp of this world with ep > 1 dividing dp (MoE layers replicated over tp),
+# and pipelines of 2 stages: with ep inside dp, or alone at 2 ranks (the aux loss on every stage)
+EP_LAYOUTS = [(WORLD.size // tp, tp, 1, ep) for tp in (1, 2) for ep in (2, 4)
               if WORLD.size % tp == 0 and (WORLD.size // tp) % ep == 0]
+PP_LAYOUTS = [(WORLD.size // 2, 1, 2, 1 if WORLD.size == 2 else 2)] if WORLD.size in (2, 4) else []
 
 
 @needs_world_size(2, 4)
-@mpi_given(max_examples=3, layout=st.sampled_from(EP_LAYOUTS or [(2, 1, 2)]), top_k=st.sampled_from([1, 2]),
-           capacity_factor=st.sampled_from([0.5, 1.0, 1.5]), microbatches=st.sampled_from([1, 2]),
-           zero=st.sampled_from([0, 1]), seed=st.integers(0, 2**16),
-           examples=[at_world_size((4,), layout=(4, 1, 2), top_k=2, capacity_factor=0.5, microbatches=2,
-                                   zero=1, seed=1),
-                     at_world_size((4,), layout=(2, 2, 2), top_k=1, capacity_factor=1.0, microbatches=1,
-                                   zero=1, seed=2)])
-def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor, microbatches, zero, seed):
-    """Experts split over ep ranks inside dp (with tp too): losses, weights and the routing stats of
-    one process, and the all-to-all bytes of every step equal their formula, from the ledger."""
-    dp, tp, ep = layout
-    cfg = tiny(dp=dp, tp=tp, ep=ep, top_k=top_k, capacity_factor=capacity_factor, microbatches=microbatches,
-               zero=zero, seed=seed)
+@mpi_given(max_examples=3, layout=st.sampled_from(EP_LAYOUTS + PP_LAYOUTS or [(2, 1, 1, 2)]),
+           top_k=st.sampled_from([1, 2]), capacity_factor=st.sampled_from([0.5, 1.0, 1.5]),
+           microbatches=st.sampled_from([1, 2]), zero=st.sampled_from([0, 1, 2, 3]),
+           recompute=st.sampled_from(["none", "full"]), seed=st.integers(0, 2**16),
+           examples=[at_world_size((4,), layout=(4, 1, 1, 2), top_k=2, capacity_factor=0.5, microbatches=2,
+                                   zero=1, recompute="none", seed=1),
+                     at_world_size((4,), layout=(2, 2, 1, 2), top_k=1, capacity_factor=1.0, microbatches=1,
+                                   zero=1, recompute="full", seed=2),
+                     at_world_size((2,), layout=(1, 1, 2, 1), top_k=2, capacity_factor=0.5, microbatches=2,
+                                   zero=0, recompute="full", seed=3),
+                     at_world_size((4,), layout=(2, 1, 2, 2), top_k=2, capacity_factor=1.0, microbatches=2,
+                                   zero=3, recompute="full", seed=4),
+                     at_world_size((4,), layout=(4, 1, 1, 2), top_k=1, capacity_factor=1.5, microbatches=2,
+                                   zero=2, recompute="none", seed=5)])
+def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor, microbatches, zero,
+                                                 recompute, seed):
+    """Experts split over ep ranks inside dp (with tp or pp too, ZeRO 0-3 over edp and dp), and MoE
+    on a pipeline: losses, weights and the routing stats of one process (the aux loss's gradient
+    reaches every stage, its value summed over stages; with --recompute full, from the rerun block's
+    graph, the routing counted once), and the all-to-all bytes of every step equal their formula,
+    from the ledger."""
+    dp, tp, pp, ep = layout
+    cfg = tiny(dp=dp, tp=tp, pp=pp, ep=ep, top_k=top_k, capacity_factor=capacity_factor,
+               microbatches=microbatches, zero=zero, recompute=recompute, seed=seed, aux_loss_coef=0.5)
     records = trains_like_one_process(cfg)
     if WORLD.rank == 0:
         alone = Trainer(cfg.single_process(), MPI.COMM_SELF).run()
         assert [r["tokens_per_expert"] for r in records] == [r["tokens_per_expert"] for r in alone]
-        # 4 all-to-alls per layer and micro-batch (dispatch and combine, forward and backward), each
-        # sending ep-1 of its ep blocks: (E, b, C, d) fp64 elements, b this rank's sequences
+        for mine, ref in zip(records, alone):
+            assert mine["aux_loss"] == pytest.approx(ref["aux_loss"], rel=1e-9)
+        if ep == 1:
+            return
+        # 4 all-to-alls per layer of this stage and micro-batch (dispatch and combine, forward and
+        # backward; 6 when backward reruns the forward), each sending ep-1 of its ep blocks: (E, b, C, d)
+        # fp64 elements, b this rank's sequences
+        layers = cfg.n_layer // pp  # 2 blocks on 2 stages: one each (embedding and head are lighter)
         C = math.ceil(capacity_factor * cfg.seq_len * top_k / cfg.n_experts)
         b = cfg.batch_size // dp // microbatches
-        expected = 4 * cfg.n_layer * microbatches * (ep - 1) * (cfg.n_experts // ep) * b * C * cfg.d_model * 8
+        per_layer = 6 if recompute == "full" else 4
+        block = (cfg.n_experts // ep) * b * C * cfg.d_model * 8
+        expected = per_layer * layers * microbatches * (ep - 1) * block
         for r in records:
             assert r["comm"]["by_dim_op"]["ep"]["all_to_all"] == expected, r["comm"]
-        if zero == 1 and dp // ep > 1:  # experts' states sharded over edp: reduce-scatter + all-gather
+        if zero and dp // ep > 1:  # experts' states sharded over edp: reduce-scatter + all-gather
             assert set(records[-1]["comm"]["by_dim_op"]["edp"]) == {"reduce_scatter", "all_gather"}
 
 
@@ -261,7 +305,8 @@ def test_all_to_all_sends_block_s_to_rank_s_and_charges_what_it_sends(block, see
     ({"ep": 2, "model": "gpt"}, "--ep 2 needs --model moe (experts to split)"),
     ({"ep": 4, "dp": 2}, "--ep 4 does not divide dp=2 (ep groups are blocks of ep dp ranks)"),
     ({"ep": 3, "dp": 3, "n_experts": 4}, "--n-experts 4 is not divisible by --ep 3"),
-    ({"ep": 2, "dp": 2, "zero": 2}, "--ep with --zero 2 is not built yet (use --zero 0 or 1)"),
+    ({"ep": 2, "dp": 2, "zero": 3, "chunk_mb": 1.0}, "--ep 2 with chunked ZeRO-3 (--offload, --chunk-mb, "
+                                                     "--device-mem-mb) is not built yet"),
     ({"tp": 2, "dp": 1, "sp": True}, "--model moe does not support --sp"),
 ])
 def test_bad_expert_parallel_layouts_are_one_line(changes, message):
