@@ -44,6 +44,7 @@ def plan_buckets(params, bucket_bytes: int) -> list[list[Parameter]]:
 
     A parameter larger than a bucket gets a bucket of its own (as in PyTorch).
     """
+    # exercise 03.1: buckets: parameters grouped last first under a cap
     buckets: list[list[Parameter]] = []
     current: list[Parameter] = []  # the bucket being filled
     current_bytes = 0
@@ -57,6 +58,7 @@ def plan_buckets(params, bucket_bytes: int) -> list[list[Parameter]]:
     if current:
         buckets.append(current)
     return buckets
+    # end exercise
 
 
 def named_units(model) -> list:
