@@ -108,7 +108,8 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
 def test_the_checks_run_the_workspace_code_and_the_guard_refuses_another(tmp_path):
     workspace.create(tmp_path / "ws", [BY_ID["09.1"]])
     stub = (tmp_path / "ws/minipar/precision/formats.py").read_text()
-    assert "raise NotImplementedError(\"exercise 09.1 (lesson 09, section 'Emulating bf16 in four lines')" in stub
+    assert ("raise NotImplementedError(\"exercise 09.1 (lesson 09, section 'Emulating bf16 in four lines'): "
+            "bf16 rounding to nearest, ties to even\")") in stub
     assert json.loads((tmp_path / "ws" / workspace.MANIFEST).read_text())["exercises"] == ["09.1"]
     assert not (tmp_path / "ws/.git").exists() and (tmp_path / "ws/tests/conftest.py").is_file()
     check = BY_ID["09.1"].checks[0]
