@@ -100,7 +100,8 @@ def one_ahead_plan(sizes: list[int], budget: int) -> list[list[int]]:
     for t, unit in enumerate(uses):
         held.add(unit)
         ahead = uses[t + 1] if t + 1 < len(uses) else None
-        start = ahead is not None and ahead not in held and sum(sizes[u] for u in held) + sizes[ahead] <= budget
+        start = (ahead is not None and ahead not in held
+                 and sum(sizes[u] for u in held) + sizes[ahead] <= budget)
         plan.append([ahead] if start else [])
         held = {ahead} if start else set()
         if ahead == unit:
