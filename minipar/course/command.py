@@ -52,6 +52,22 @@ def _as_json(exercise: Exercise) -> dict:
                        for c in exercise.checks]}
 
 
+def where(ranks: tuple[int, ...]) -> str:
+    return " and ".join(map(str, ranks)) + " ranks" if ranks else "1 process"
+
+
+def describe(exercise: Exercise) -> str:
+    """What to read, where to write, what grades it and how to check: the lessons print this."""
+    graded = [f"{check.node} ({where(check.ranks)})" for check in exercise.checks]
+    return "\n".join([
+        f"{exercise.id} {'*' * exercise.difficulty}  {exercise.title}",
+        f"    read:   lesson {exercise.lesson}, section '{exercise.section}'",
+        f"    write:  {', '.join(workspace.files_of(exercise.id))}, between '# exercise {exercise.id}' "
+        "and '# end exercise'",
+        "    graded: " + "\n            ".join(graded),
+        f"    check:  python -m minipar course check {exercise.id}"])
+
+
 def list_main(args) -> int:
     chosen = _of_lesson(args.lesson) if args.lesson else list(EXERCISES)
     if args.lesson and not chosen:
@@ -62,10 +78,7 @@ def list_main(args) -> int:
                           "lessons": lessons}, indent=1))
         return 0
     for exercise in chosen:
-        print(f"{exercise.id}  {'*' * exercise.difficulty:<3} {exercise.title}  "
-              f"(section '{exercise.section}')")
-        files = ", ".join(workspace.files_of(exercise.id))
-        print(f"       stubs {files}; python -m minipar course check {exercise.id}")
+        print(describe(exercise))
     return 0
 
 

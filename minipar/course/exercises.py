@@ -185,6 +185,36 @@ _ROWS = (
         Check(T + "parallel/test_experts.py::test_over_capacity_tokens_are_dropped_in_position_order",
               "an expert's queue for a sequence fills in position order (then choice order): the "
               "assignments at place >= capacity are dropped"),)),
+    Exercise("07.1", "the process grid: a rank and its coordinates", "The grid", 1, (
+        Check(T + "dist/test_comm.py::test_single_rank_grid_and_its_errors",
+              "coords_of(rank) is (dp, pp, tp, cp) with tp varying fastest, then cp, then pp, then dp; "
+              "rank_of is its inverse"),
+        Check(T + "dist/test_comm.py::test_process_grid_for_every_factorisation",
+              "rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank: tensor-parallel partners "
+              "must be neighbours, and each sub-communicator the ranks that differ in one coordinate",
+              (4,)))),
+    Exercise("12.1", "resharding: a tensor assembled from the pieces of any layout",
+             "Reading it back in another layout: resharding", 2, (
+        Check(T + "checkpoint/test_checkpoint.py::test_pieces_of_any_layout_assemble_to_the_full_tensor",
+              "first put each tensor-parallel shard together from its flat ranges (a ZeRO slice may "
+              "straddle rows), then place the shards along their axis, then cut the padding off"),
+        Check(T + "checkpoint/test_checkpoint.py::test_resume_on_one_process_is_bitwise_the_uninterrupted_run[1-gpt-adamw]",
+              "a resumed run must be bitwise the uninterrupted one: every piece of the saved state "
+              "lands where it was, in its dtype"),)),
+    Exercise("14.1", "the GPT's parameter count from its shape", "FLOPs from the shape", 1, (
+        Check(T + "simulate/test_simulate.py::test_parameter_count_is_the_real_models",
+              "count minipar's GPT: token and position embeddings, 12h² + 12h per block (the key has no "
+              "bias), the final LayerNorm, and an untied lm_head without bias"),
+        Check(T + "simulate/test_simulate.py::test_memory_equals_the_ledger_of_a_real_run",
+              "the simulator's model-state memory is the parameter count times the bytes per "
+              "parameter: it must equal what a real run's ledger holds"),)),
+    Exercise("14.2", "the alpha-beta time of a ring collective", "From FLOPs to seconds (minipar/simulate/step.py)",
+             1, (
+        Check(T + "simulate/test_simulate.py::test_ring_time_is_comms_charge_over_the_bandwidth_plus_its_messages",
+              "time = messages x latency + the bytes one rank sends / bandwidth: 2(N-1) messages and "
+              "2(N-1)/N of the payload for an all-reduce, N-1 and (N-1)/N for the others; 0 on one rank"),
+        Check(T + "simulate/test_simulate.py::test_table1_first_row_is_the_calibration_and_the_rest_within_30_percent",
+              "Megatron's Table 1 is predicted within 30% once the ring times are right"),)),
 )
 
 EXERCISES: tuple[Exercise, ...] = tuple(sorted(_ROWS, key=lambda e: tuple(map(int, e.id.split(".")))))

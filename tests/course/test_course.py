@@ -120,6 +120,16 @@ def test_the_checks_run_the_workspace_code_and_the_guard_refuses_another(tmp_pat
     assert not refused.passed and "not the workspace" in refused.detail
 
 
+def test_a_lesson_excerpt_that_shows_a_stubbed_region_loses_its_body_and_no_other(tmp_path):
+    workspace.create(tmp_path / "ws", [BY_ID["02.1"]])
+    lesson = (tmp_path / "ws/lessons/02_collectives.md").read_text()
+    assert "```python excerpt minipar/dist/collectives.py\n...\n```" in lesson
+    assert "partial = flat[start:stop] + wire.decode(received)" not in lesson
+    workspace.create(tmp_path / "other", [BY_ID["02.2"]])  # the all-gather: the excerpt shows none of it
+    unchanged = (ROOT / "lessons/02_collectives.md").read_text()
+    assert (tmp_path / "other/lessons/02_collectives.md").read_text() == unchanged
+
+
 @pytest.mark.parametrize("exercise", ["01.1", "09.2"])
 def test_an_exercise_fails_on_its_stub_and_passes_on_the_solution(exercise):
     assert selftest.selftest(BY_ID[exercise]) == []
