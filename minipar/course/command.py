@@ -94,7 +94,10 @@ def new_main(args) -> int:
         chosen = [BY_ID[i] for i in dict.fromkeys(args.exercise)]
     if args.dir.exists() and (not args.dir.is_dir() or any(args.dir.iterdir())):
         return fail(PROG, f"{args.dir} exists and is not an empty folder")
-    stubbed = workspace.create(args.dir, chosen)
+    try:
+        stubbed = workspace.create(args.dir, chosen)
+    except OSError as error:
+        return fail(PROG, f"cannot write the workspace {args.dir}: {error.strerror or error}")
     ids = ", ".join(exercise.id for exercise in chosen)
     print(f"workspace {args.dir}: exercises {ids} stubbed in {', '.join(stubbed)}")
     return 0
@@ -112,6 +115,9 @@ def check_main(args) -> int:
                           "make one with python -m minipar course new DIR)")
     folder = args.dir.resolve()
     ids = workspace.handed_out(folder) if args.all else [args.id]
+    unknown = [i for i in ids if i not in BY_ID]
+    if unknown:
+        return fail(PROG, f"{args.dir} was made for exercise {unknown[0]}, which this minipar does not have")
     report = None if args.json else (lambda outcome: print(grading.describe(outcome), flush=True))
     results = {}
     for exercise_id in ids:

@@ -215,6 +215,23 @@ _ROWS = (
               "2(N-1)/N of the payload for an all-reduce, N-1 and (N-1)/N for the others; 0 on one rank"),
         Check(T + "simulate/test_simulate.py::test_table1_first_row_is_the_calibration_and_the_rest_within_30_percent",
               "Megatron's Table 1 is predicted within 30% once the ring times are right"),)),
+    Exercise("05.3", "sequence parallelism: all-gather and reduce-scatter along the sequence",
+             "Sequence parallelism: the replicated regions, cut along the sequence", 2, (
+        Check(T + "parallel/test_sequence.py::test_gather_and_reduce_scatter_are_adjoint",
+              "the gather puts every rank's (b, s/t, h) piece in rank order along the sequence axis; the "
+              "reduce-scatter keeps this rank's s/t positions of the sum; make the sequence the leading "
+              "axis first, so that each rank's positions are one contiguous shard", (2, 4)),
+        Check(T + "parallel/test_sequence.py::test_tp_traffic_is_tensor_parallelisms_plus_the_replicated_gradients",
+              "an all-gather and a reduce-scatter of the activations cost together what tensor "
+              "parallelism's all-reduce did: one collective each way, no more", (2,)))),
+    Exercise("06.3", "cutting the model into balanced stages", "Cutting the model into stages", 3, (
+        Check(T + "parallel/test_pipeline.py::test_partition_is_contiguous_nonempty_and_balanced",
+              "the costliest stage sets the pipeline's pace: minimise it, then the next costliest, ... "
+              "(dynamic programming over (stages, units covered), comparing sorted stage costs); ties to "
+              "the earliest cut, so every rank cuts alike"),
+        Check(T + "parallel/test_pipeline.py::test_embedding_and_head_count_as_blocks",
+              "the test's cuts are written out: with a large vocabulary the embedding and the head are "
+              "the costliest units and get a stage each; among equal cuts take the earliest"),)),
 )
 
 EXERCISES: tuple[Exercise, ...] = tuple(sorted(_ROWS, key=lambda e: tuple(map(int, e.id.split(".")))))

@@ -63,6 +63,7 @@ def partition(costs: list[int], stages: int) -> list[range]:
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot cut {n} units into {stages} non-empty stages")
+    # exercise 06.3: cutting the model into balanced stages
     prefix = np.concatenate([[0], np.cumsum(costs)])
     best: dict[tuple[int, int], tuple[int, ...]] = {(0, 0): ()}
     cut: dict[tuple[int, int], int] = {}  # (k, j) -> where the last stage of best[k, j] starts
@@ -76,6 +77,7 @@ def partition(costs: list[int], stages: int) -> list[range]:
         bounds.append(range(cut[k, stop], stop))
         stop = cut[k, stop]
     return bounds[::-1]
+    # end exercise
 
 
 class PipelineStage(Module):

@@ -97,12 +97,20 @@ def test_list_json_has_every_exercise_with_its_files_and_checks():
     (["new", "lessons", "--exercise", "09.1"], "lessons exists and is not an empty folder"),
     (["new", "x", "--lesson", "99"], "lesson 99 has no exercises"),
     (["list", "--lesson", "99"], "lesson 99 has no exercises"),
+    (["new", "/proc/minipar-ws", "--exercise", "09.1"], "cannot write the workspace /proc/minipar-ws"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message):
     done = course(*argv)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr.startswith("minipar course: error: ") and message in done.stderr
     assert done.stderr.count("\n") == 1
+
+
+def test_a_workspace_made_for_an_exercise_this_minipar_lacks_is_one_line_and_exit_2(tmp_path):
+    workspace.create(tmp_path / "ws", [BY_ID["09.1"]])
+    (tmp_path / "ws" / workspace.MANIFEST).write_text(json.dumps({"exercises": ["99.9"]}))
+    done = course("check", "--all", "--dir", str(tmp_path / "ws"))
+    assert done.returncode == 2 and "made for exercise 99.9, which this minipar does not have" in done.stderr
 
 
 def test_the_checks_run_the_workspace_code_and_the_guard_refuses_another(tmp_path):
