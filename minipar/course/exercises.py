@@ -232,6 +232,21 @@ _ROWS = (
         Check(T + "parallel/test_pipeline.py::test_embedding_and_head_count_as_blocks",
               "the test's cuts are written out: with a large vocabulary the embedding and the head are "
               "the costliest units and get a stage each; among equal cuts take the earliest"),)),
+    Exercise("03.2", "the bucketed all-reduce of the gradients", "The code", 1, (
+        Check(T + "parallel/test_data_parallel.py::test_one_bucket_sends_exactly_two_n_minus_one_over_n_of_the_gradient_bytes",
+              "one bucket is one all-reduce of its gradients flattened into one buffer: 2(N-1)/N of "
+              "their bytes in 2(N-1) messages; give each parameter back its slice, in its shape", (2,)),
+        Check(T + "parallel/test_data_parallel.py::test_ddp_trains_to_the_single_process_losses_and_weights",
+              "dp differs from one process: the gradients are summed over the replicas, not averaged "
+              "(the loss is already normalised by the global batch), and every parameter of the "
+              "bucket gets its own slice of the sum", (2,)))),
+    Exercise("06.4", "the pipeline executor's point-to-point send and receive",
+             "The executor: one loop runs any schedule", 2, (
+        Check(T + "parallel/test_overlap.py::test_a_pipeline_with_receives_posted_early_trains_like_one_process_and_sends_the_same",
+              "send: start a non-blocking send (comm.isend) and keep its request until it completes; "
+              "receive: wait for the receive posted early for (source, tag) if there is one, else "
+              "receive now (comm.recv); a stage must never block in a send its neighbour waits on",
+              (2, 4)),)),
 )
 
 EXERCISES: tuple[Exercise, ...] = tuple(sorted(_ROWS, key=lambda e: tuple(map(int, e.id.split(".")))))
