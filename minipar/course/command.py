@@ -52,13 +52,13 @@ def _as_json(exercise: Exercise) -> dict:
                        for c in exercise.checks]}
 
 
-def where(ranks: tuple[int, ...]) -> str:
+def rank_counts(ranks: tuple[int, ...]) -> str:
     return " and ".join(map(str, ranks)) + " ranks" if ranks else "1 process"
 
 
 def describe(exercise: Exercise) -> str:
     """What to read, where to write, what grades it and how to check: the lessons print this."""
-    graded = [f"{check.node} ({where(check.ranks)})" for check in exercise.checks]
+    graded = [f"{check.node} ({rank_counts(check.ranks)})" for check in exercise.checks]
     return "\n".join([
         f"{exercise.id} {'*' * exercise.difficulty}  {exercise.title}",
         f"    read:   lesson {exercise.lesson}, section '{exercise.section}'",

@@ -141,7 +141,7 @@ _ROWS = (
         Check(T + "parallel/test_zero.py::test_one_rank_trains_to_the_reference_and_holds_the_formulas_bytes[1]",
               "per unit: flatten the gradients, reduce-scatter them (each rank gets the sum of its shard), "
               "update only this rank's shard of the parameters, then all-gather the parameters"),
-        Check(T + "parallel/test_zero.py::test_bytes_per_step_are_two_or_three_times_n_minus_one_over_n_of_the_model",
+        Check(T + "parallel/test_zero.py::test_bytes_per_step_are_two_or_three_times_n_minus_one_over_n_of_the_model[1]",
               "ZeRO-1 sends what DDP sends, 2(N-1)/N of the model per step: one reduce-scatter and one "
               "all-gather of each unit's padded flat buffer", (2,)))),
     Exercise("04.3", "ZeRO-3: gather a unit's parameters, release them",

@@ -96,9 +96,12 @@ def run_exercise(exercise: Exercise, workspace: Path, reference: Path = ROOT, re
     return outcomes
 
 
+def where(ranks: int) -> str:
+    return "1 process" if ranks == 1 else f"{ranks} ranks"
+
+
 def describe(outcome: Outcome) -> str:
-    where = "1 process" if outcome.ranks == 1 else f"{outcome.ranks} ranks"
-    line = f"{'PASS' if outcome.passed else 'FAIL'}  {outcome.check.node}  ({where})"
+    line = f"{'PASS' if outcome.passed else 'FAIL'}  {outcome.check.node}  ({where(outcome.ranks)})"
     if not outcome.passed:
         line += f"\n      {outcome.detail}\n      hint: {outcome.check.hint}"
     return line
