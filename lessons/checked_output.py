@@ -31,6 +31,7 @@ import re
 
 NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 _ELLIPSIS = doctest.OutputChecker()
+EXERCISE_MARKER = re.compile(r"^\s*# (?:exercise \d\d\.\d+: .*|end exercise)\s*$")
 
 
 def normalise(text: str) -> str:
@@ -76,8 +77,10 @@ def difference(expected: str, printed: str, where: str) -> str:
 
 def excerpt_missing(excerpt: str, source: str) -> str | None:
     """None if every part of the excerpt (parts split at `...` lines) is in source, in order; else the
-    first line that is not."""
-    lines = [line.strip() for line in source.splitlines() if line.strip()]
+    first line that is not. The coursework's region markers (`# exercise LL.N: ...`, `# end exercise`)
+    are not code: an excerpt reads as if they were not there."""
+    lines = [line.strip() for line in source.splitlines()
+             if line.strip() and not EXERCISE_MARKER.match(line)]
     start = 0
     part: list[str] = []
     parts = []

@@ -1,4 +1,4 @@
-"""`python -m minipar train | plan | schedule | simulate | bench` (also the console script `minipar`).
+"""`python -m minipar train | plan | schedule | simulate | bench | course` (or the script `minipar`).
 
 The command line's front door, above every layer (bench included): it only dispatches. Bad input ends
 every rank with one line naming the problem and exit code 2, before any collective: every rank parses
@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from minipar.bench import registry
+from minipar.course import command as course
 from minipar.plot import registry as plot_registry
 from minipar.trainer import commands
 from minipar.trainer.arguments import fail
@@ -20,6 +21,7 @@ COMMANDS = {
     "schedule": commands.schedule_main,
     "simulate": commands.simulate_main,
     "bench": registry.main,
+    "course": course.main,
     "plot": plot_registry.main,
 }
 

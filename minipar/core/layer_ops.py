@@ -103,8 +103,10 @@ class Softmax(Function):
 
     @staticmethod
     def backward(ctx, g):
+        # exercise 01.1: the backward of softmax
         (out,) = ctx.saved
         return out * (g - (g * out).sum(axis=ctx.axis, keepdims=True)), None
+        # end exercise
 
 
 class LogSoftmax(Function):
@@ -163,6 +165,7 @@ class LayerNorm(Function):
 
     @staticmethod
     def backward(ctx, g):
+        # exercise 01.2: the backward of layer norm
         xhat, rstd = ctx.saved
         weight = _data(ctx.inputs[1])
         lead = tuple(range(g.ndim - 1))
@@ -176,6 +179,7 @@ class LayerNorm(Function):
         gxhat -= along_xhat
         gxhat *= rstd
         return gxhat, gw, gb, None
+        # end exercise
 
 
 class Embedding(Function):

@@ -65,6 +65,7 @@ def route(probs, top_k: int, capacity: int):
     `kept` (B, T, k): whether the assignment fits in its expert's capacity, assignments of a sequence
     taken in position order; `counts` (B, E): assignments per expert and sequence, before dropping;
     `slot` (B, T, k): the assignment's place in its expert's queue for the sequence (kept: < capacity)."""
+    # exercise 15.1: top-k routing with a capacity per expert
     xp = xp_of(probs)
     B, T, E = probs.shape
     choice = xp.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
@@ -72,6 +73,7 @@ def route(probs, top_k: int, capacity: int):
     rank_in_expert = (xp.cumsum(onehot, axis=1) * onehot).sum(-1) - 1  # place in its expert's queue
     kept = (rank_in_expert < capacity).reshape(B, T, top_k)
     return choice, kept, onehot.sum(axis=1), rank_in_expert.reshape(B, T, top_k)
+    # end exercise
 
 
 class IndexAdd(Function):

@@ -472,14 +472,18 @@ class ProcessGrid:
 
     def coords_of(self, rank: int) -> tuple[int, int, int, int]:
         """(dp_rank, pp_rank, tp_rank, cp_rank) of a world rank: the 3D coordinates, then cp."""
+        # exercise 07.1: the process grid: a rank and its coordinates
         dp_rank, rest = divmod(rank, self.pp_size * self.cp_size * self.tp_size)
         pp_rank, rest = divmod(rest, self.cp_size * self.tp_size)
         cp_rank, tp_rank = divmod(rest, self.tp_size)
         return dp_rank, pp_rank, tp_rank, cp_rank
+        # end exercise
 
     def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
         """World rank at a grid coordinate."""
+        # exercise 07.1: the process grid: a rank and its coordinates
         return ((dp_rank * self.pp_size + pp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank
+        # end exercise
 
     def describe(self) -> str:
         """The grid as text: for each dp replica, a pp-by-tp table of world ranks (one per cp rank)."""

@@ -79,6 +79,7 @@ def consumer_counts(order: list[Node]) -> dict[Node, int]:
 def fuse(roots: list[Node]) -> list[Kernel]:
     """The fused plan: kernels in an order that computes each input before it is read."""
     order = topological_order(roots)
+    # exercise 10.1: the fusion pass
     consumers, outputs = consumer_counts(order), set(roots)
     materialised = {n for n in order if not n.is_scalar and (
         n.is_leaf or n.is_reduction or n in outputs or consumers[n] > 1)}
@@ -97,6 +98,7 @@ def fuse(roots: list[Node]) -> list[Kernel]:
                     stack.append(arg)
         kernels.append(Kernel([n for n in order if n in members], [n for n in order if n in inputs]))
     return kernels
+    # end exercise
 
 
 def one_kernel_per_op(roots: list[Node]) -> list[Kernel]:

@@ -98,10 +98,12 @@ class Chunk:
         return [t for t in self.tensors if t.unit == unit]
 
     def transition(self, tensor: ChunkTensor, state: TensorState):
+        # exercise 08.1: the chunk tensor's state machine
         if (tensor.state, state) not in LEGAL_TRANSITIONS:
             raise IllegalTransition(f"{tensor.name} in chunk {self.index}: {tensor.state.name} -> "
                                     f"{state.name} is not a legal transition")
         tensor.state = state
+        # end exercise
 
     def all_in(self, state: TensorState) -> bool:
         return all(t.state is state for t in self.tensors)

@@ -249,9 +249,11 @@ class TieredStore:
             self.counts["evictions"] += 1
 
     def victim(self, candidates: list[Block]) -> Block:
+        # exercise 08.2: the eviction policy: Belady's OPT and LRU
         if self.policy == "opt" and self.positions:  # Belady: furthest next use; ties, least recent
             return max(candidates, key=lambda b: (self.next_use(b.key), -self.last_used.get(b.key, 0)))
         return min(candidates, key=lambda b: self.last_used.get(b.key, 0))
+        # end exercise
 
     def next_use(self, key) -> float:
         """Accesses from now until `key` is used again, by the trace (the step repeats)."""

@@ -38,11 +38,13 @@ def bytes_per_parameter(stage: int, dp: int, k: int = 12, *, param_bytes: int = 
     """Model-state bytes one rank holds per model parameter: each part whole, or 1/N when partitioned."""
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    # exercise 04.1: ZeRO's model-state bytes per parameter, stage by stage
     share = Fraction(1, dp)
     optimizer = k * share if stage >= 1 else Fraction(k)
     grads = grad_bytes * share if stage >= 2 else Fraction(grad_bytes)
     params = param_bytes * share if stage >= 3 else Fraction(param_bytes)
     return params + grads + optimizer
+    # end exercise
 
 
 def model_state_bytes(params: int, dp: int, stage: int, k: int = 12, *, param_bytes: int = 2,

@@ -88,12 +88,14 @@ class OnlineSoftmax:
         self.out = xp.zeros_like(q)
 
     def add(self, s, v):
+        # exercise 13.1: the online softmax: one block of scores at a time
         xp = xp_of(s)
         maximum = xp.maximum(self.maximum, s.max(axis=-1, keepdims=True))
         rescale, p = xp.exp(self.maximum - maximum), xp.exp(s - maximum)
         self.total = self.total * rescale + p.sum(axis=-1, keepdims=True)
         self.out = self.out * rescale + p @ v
         self.maximum = maximum
+        # end exercise
 
     def result(self):
         """The output and the log-sum-exp of the scores (what backward needs to rebuild softmax)."""

@@ -44,6 +44,7 @@ def plan_buckets(params, bucket_bytes: int) -> list[list[Parameter]]:
 
     A parameter larger than a bucket gets a bucket of its own (as in PyTorch).
     """
+    # exercise 03.1: buckets: parameters grouped last first under a cap
     buckets: list[list[Parameter]] = []
     current: list[Parameter] = []  # the bucket being filled
     current_bytes = 0
@@ -57,6 +58,7 @@ def plan_buckets(params, bucket_bytes: int) -> list[list[Parameter]]:
     if current:
         buckets.append(current)
     return buckets
+    # end exercise
 
 
 def named_units(model) -> list:
@@ -177,12 +179,14 @@ class DistributedDataParallel(LocalUpdater):
             self.all_reduce_bucket(bucket)
 
     def all_reduce_bucket(self, bucket) -> None:
+        # exercise 03.2: the bucketed all-reduce of the gradients
         shapes = [p.shape for p in bucket]  # each gradient has its parameter's shape
         flat = flatten(self.gradients_of(bucket))
         for p in bucket:
             p.grad = None
         for p, grad in zip(bucket, unflatten(self.all_reduce(flat), shapes)):
             p.grad = grad
+        # end exercise
 
     def memory(self) -> dict:
         """LocalUpdater's bytes, plus the flat bucket copies alive during the all-reduces: the largest

@@ -63,6 +63,7 @@ def partition(costs: list[int], stages: int) -> list[range]:
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot cut {n} units into {stages} non-empty stages")
+    # exercise 06.3: cutting the model into balanced stages
     prefix = np.concatenate([[0], np.cumsum(costs)])
     best: dict[tuple[int, int], tuple[int, ...]] = {(0, 0): ()}
     cut: dict[tuple[int, int], int] = {}  # (k, j) -> where the last stage of best[k, j] starts
@@ -76,6 +77,7 @@ def partition(costs: list[int], stages: int) -> list[range]:
         bounds.append(range(cut[k, stop], stop))
         stop = cut[k, stop]
     return bounds[::-1]
+    # end exercise
 
 
 class PipelineStage(Module):
@@ -281,6 +283,7 @@ class PipelineRunner(Runner):
 
     def receive(self, shape, source: int, tag: int):
         """The message from `source` with `tag`: the receive posted early, waited for, or a plain one."""
+        # exercise 06.4: the pipeline executor's point-to-point send and receive
         posted = self.posted.pop((source, tag), None)
         if posted is None:
             return self.comm.recv(shape, self.dtype, source, tag=tag)
@@ -289,6 +292,7 @@ class PipelineRunner(Runner):
         if received.shape != tuple(shape):
             raise RuntimeError(f"a receive posted early expected {received.shape}, the action {tuple(shape)}")
         return received
+        # end exercise
 
     def weight_gradients(self, action: Action):
         """W: the weight gradients B left, in B's order, each module's backward hooks after its own."""
@@ -305,8 +309,10 @@ class PipelineRunner(Runner):
         return (*x.shape[:-1], self.width)
 
     def send(self, array, dest: int, tag: int):
+        # exercise 06.4: the pipeline executor's point-to-point send and receive
         self.pending_sends.append(self.comm.isend(array, dest, tag=tag))
         self.pending_sends = [r for r in self.pending_sends if not r.Test()]  # also drives MPI progress
+        # end exercise
 
     @contextlib.contextmanager
     def computing(self, action: Action):

@@ -79,6 +79,7 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     them busy until the first backward comes back; Megatron-LM's `num_warmup_microbatches`), so it never
     holds more than K-s micro-batches' activations; the remaining backwards drain the pipe at the end.
     """
+    # exercise 06.1: the 1F1B schedule builder
     schedule = []
     for stage in range(stages):
         warmup = min(stages - stage - 1, microbatches)
@@ -88,6 +89,7 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
         actions += [Action("B", i) for i in range(microbatches - warmup, microbatches)]
         schedule.append(actions)
     return schedule
+    # end exercise
 
 
 def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule:
@@ -103,6 +105,7 @@ def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule
     if microbatches % stages:
         raise ValueError(f"interleaved needs micro-batches M={microbatches} to be a multiple of the "
                          f"stages K={stages}")
+    # exercise 06.2: the interleaved 1F1B schedule builder
     total = microbatches * virtual_stages
 
     def step(k: int, op: str) -> Action:
@@ -119,6 +122,7 @@ def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule
         actions += [step(k, "B") for k in range(total - warmup, total)]
         schedule.append(actions)
     return schedule
+    # end exercise
 
 
 def zb_h1(stages: int, microbatches: int) -> Schedule:

@@ -60,15 +60,19 @@ def _sequence_first(x):
 
 def all_gather_sequence(x, comm):
     """Every rank's (b, s/t, h) piece, concatenated along the sequence into (b, s, h)."""
+    # exercise 05.3: sequence parallelism: all-gather and reduce-scatter along the sequence
     b, piece, h = x.shape
     gathered = comm.all_gather(_sequence_first(x), numel=x.size * comm.size)
     return gathered.reshape(piece * comm.size, b, h).transpose(1, 0, 2)
+    # end exercise
 
 
 def reduce_scatter_sequence(x, comm):
     """The sum over ranks of (b, s, h) partial results, of which this rank keeps its s/t positions."""
+    # exercise 05.3: sequence parallelism: all-gather and reduce-scatter along the sequence
     b, s, h = x.shape
     return comm.reduce_scatter(_sequence_first(x)).reshape(s // comm.size, b, h).transpose(1, 0, 2)
+    # end exercise
 
 
 class GatherFromSequenceParallel(Function):

@@ -47,7 +47,9 @@ class CopyToTensorParallel(Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # exercise 05.1: f and g: the communication of column- and row-parallel layers
         return ctx.comm.all_reduce(grad), None
+        # end exercise
 
 
 class ReduceFromTensorParallel(Function):
@@ -55,7 +57,9 @@ class ReduceFromTensorParallel(Function):
 
     @staticmethod
     def forward(ctx, x, comm):
+        # exercise 05.1: f and g: the communication of column- and row-parallel layers
         return comm.all_reduce(x)
+        # end exercise
 
     @staticmethod
     def backward(ctx, grad):
@@ -226,6 +230,7 @@ class VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, vocab_size, comm, correct=None):
+        # exercise 05.2: vocab-parallel cross-entropy: three all-reduces of N numbers
         xp = xp_of(logits)
         n, width = logits.shape
         columns = vocab_start + xp.arange(width)
@@ -243,6 +248,7 @@ class VocabParallelCrossEntropy(Function):
         ctx.save_for_backward(exp / sum_exp[:, None])
         ctx.target_rows, ctx.target_columns = rows[mine], local_target[mine]
         return (xp.log(sum_exp) - target_logit).sum()
+        # end exercise
 
     @staticmethod
     def backward(ctx, g):

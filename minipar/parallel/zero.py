@@ -47,6 +47,7 @@ class ZeroStage1(Updater):
             unit.state = optimizer.init_state(unit.shard_numel, unit.dtype, unit.xp)
 
     def step(self):
+        # exercise 04.2: the ZeRO-1 step: reduce-scatter, update the shard, all-gather
         for unit in self.units:
             bucket = unit.flatten([p.grad for p in unit.params])
             buffer_meter.add(bucket.nbytes)
@@ -55,6 +56,7 @@ class ZeroStage1(Updater):
             del bucket
             self.update(unit, grad_shard)
             self.all_gather_params(unit)
+        # end exercise
 
     def update(self, unit, grad_shard):
         """The single-process update rule, on this rank's shard only: the same elementwise arithmetic."""

@@ -69,6 +69,7 @@ class ZeroStage3(ZeroStage2):
     def gather_params(self, unit):
         """Make the unit's parameters whole: all-gather every rank's shard into a new flat buffer (or
         wait for the all-gather a prefetch started; its buffer was counted then)."""
+        # exercise 04.3: ZeRO-3: gather a unit's parameters, release them
         if unit.flat is not None:
             return  # still whole: the first unit between its backward and the step
         pending = self.prefetched.pop(self.units.index(unit), None)
@@ -78,6 +79,7 @@ class ZeroStage3(ZeroStage2):
             unit.flat = self.comm.all_gather(unit.param_shard, numel=unit.padded)
             buffer_meter.add(unit.flat.nbytes)
         unit.point_params_at(unit.flat)
+        # end exercise
 
     def prefetch_unit(self, index: int) -> None:
         """Start gathering unit `index` (when it exists, is not whole, and is not already coming)."""
@@ -90,12 +92,14 @@ class ZeroStage3(ZeroStage2):
 
     def release_params(self, unit):
         """Drop the full parameters: each becomes an empty array (using one by mistake fails loudly)."""
+        # exercise 04.3: ZeRO-3: gather a unit's parameters, release them
         if unit.flat is None:
             return
         buffer_meter.release(unit.flat.nbytes)
         unit.flat = None
         for p in unit.params:
             p.data = unit.freed
+        # end exercise
 
     def reduce_scatter_grads(self, unit):
         super().reduce_scatter_grads(unit)

@@ -39,12 +39,14 @@ def to_bf16_bits(x) -> np.ndarray:
     f = _as_float32(x)
     is_nan = np.isnan(f)
     bits = np.where(is_nan, np.uint32(0), f.view(np.uint32))  # NaN is set below; avoids a wrap-around
+    # exercise 09.1: bf16 rounding to nearest, ties to even
     # bf16 is the top half of a float32. Adding 0x7FFF (just under half of the dropped part) rounds
     # up exactly when the dropped half is above 0x8000; the odd bit of the kept half breaks the tie
     # at 0x8000 towards even. A carry out of the mantissa lands in the exponent: the next binade,
     # or infinity after the largest finite value.
     odd = (bits >> 16) & np.uint32(1)
     rounded = ((bits + np.uint32(0x7FFF) + odd) >> 16).astype(np.uint16)
+    # end exercise
     return np.where(is_nan, _sign_bits_16(f) | np.uint16(BF16_QUIET_NAN), rounded)
 
 
@@ -180,6 +182,7 @@ class DynamicLossScaler:
 
     def update(self, found_inf: bool) -> None:
         """Back off after an overflow; grow after `growth_interval` clean steps in a row."""
+        # exercise 09.2: the dynamic loss scaler's update
         if found_inf:
             self._scale *= self._backoff_factor
             self._growth_tracker = 0
@@ -190,6 +193,7 @@ class DynamicLossScaler:
             if grown <= float(np.finfo(np.float32).max):
                 self._scale = grown
             self._growth_tracker = 0
+        # end exercise
 
     def state_dict(self) -> dict:
         return {"scale": self._scale, "growth_factor": self._growth_factor,

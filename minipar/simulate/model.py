@@ -30,10 +30,12 @@ def parameter_count(m: ModelShape) -> int:
     """minipar's GPT exactly: token and position embeddings, 12h² + 12h per block (q, k, v, two
     projections and fc, each with a bias but the key, whose bias softmax would cancel; two
     LayerNorms), ln_f, and an untied lm_head without bias."""
+    # exercise 14.1: the GPT's parameter count from its shape
     h = m.d_model
     embeddings = m.vocab * h + m.seq_len * h
     block = 12 * h * h + 12 * h
     return embeddings + m.n_layer * block + 2 * h + h * m.vocab
+    # end exercise
 
 
 def layer_forward_flops(m: ModelShape, sequences: int) -> int:

@@ -86,11 +86,13 @@ def layout_errors(m: ModelShape, lay: Layout) -> list[str]:
 def ring_seconds(op: str, payload: float, n: int, bandwidth: float, latency: float) -> float:
     """Alpha-beta time of a ring collective on n ranks: its messages times the latency, plus the bytes
     one rank sends (Comm's charge) over the link's bandwidth."""
+    # exercise 14.2: the alpha-beta time of a ring collective
     if n == 1:
         return 0.0
     factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n}[op]
     messages = (2 if op == "all_reduce" else 1) * (n - 1)
     return messages * latency + factor * payload / bandwidth
+    # end exercise
 
 
 def _links(lay: Layout, mach: Machine) -> dict[str, tuple[float, float]]:
