@@ -27,13 +27,31 @@ PRINTED = "__printed_by_the_last_block__"
 _run_python = PythonEvaluator()
 
 
-def run_python(example: Example) -> None:
+def unchecked_print(example: Example) -> str | None:
+    """What the block before printed, if no output block showed it: every printed line is checked."""
+    printed = example.namespace.pop(PRINTED, "")
+    if printed.strip():
+        return (f"{example.path}:{example.line}: the python block before this point printed\n{printed}\n"
+                "but no ```output block (or <!-- output --> table) shows it: add one, or print less")
+    return None
+
+
+def run_python(example: Example) -> str | None:
     """Run the block and keep what it printed for the output block that follows."""
+    unchecked = unchecked_print(example)
+    if unchecked:
+        return unchecked
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         _run_python(example)
     example.namespace[PRINTED] = buffer.getvalue()
     sys.stdout.write(buffer.getvalue())
+    return None
+
+
+def parse_end(document) -> list[Region]:
+    """The end of the lesson: what its last block printed must have been shown too."""
+    return [Region(len(document.text), len(document.text), None, unchecked_print)]
 
 
 def compare_output(example: Example) -> str | None:
@@ -133,6 +151,6 @@ def parse_excerpts(document) -> list[Region]:
 
 pytest_collect_file = Sybil(
     parsers=[CodeBlockParser("python", run_python), parse_fenced_outputs, parse_table_outputs,
-             parse_consoles, parse_excerpts, SkipParser()],
+             parse_consoles, parse_excerpts, parse_end, SkipParser()],
     patterns=["*.md"],
 ).pytest()
