@@ -1,6 +1,7 @@
 """`python -m minipar bench profile`: where one process's training step spends its time, by phase
 and by operation, for the default GPT or a wide one (AdamW, a memory ledger listening, as
-`minipar train` runs it).
+`minipar train` runs it), under any `--recompute` mode (core/recompute.py: the recomputed forward
+shows in backward, in the rows of the operations it runs again).
 
 Phases, timed plainly (medians of --repeats steps, no profiler): forward (model and loss), backward,
 optimizer (zero_grad and AdamW's step) and communication (none on one process: its row says 0 so
@@ -12,7 +13,7 @@ every Python call, so bookkeeping's share reads high there; the phase times are 
 Lesson: lessons/01_autograd.md.
 
     python -m minipar bench profile [--model default|wide] [--dtype float64|float32] [--batch 16]
-                                    [--repeats 10] [--top 12] [--json]
+                                    [--recompute none|selective|full] [--repeats 10] [--top 12] [--json]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 from minipar.bench.timing import spread
 from minipar.core import nn, optim
 from minipar.core.autograd import Function
+from minipar.core.recompute import RECOMPUTE_MODES, Recompute
 from minipar.memory.ledger import MemoryLedger
 from minipar.trainer.tasks import AdditionTask
 
@@ -39,10 +41,10 @@ MODELS = {"default": nn.GPTConfig(), "wide": nn.GPTConfig(block_size=64, d_model
 class GPTStep:
     """One training step of the default GPT, in phases that can be timed one by one."""
 
-    def __init__(self, dtype: str, batch: int, model: str = "default"):
+    def __init__(self, dtype: str, batch: int, model: str = "default", recompute: str = "none"):
         base = MODELS[model]
         cfg = nn.GPTConfig(block_size=base.block_size, d_model=base.d_model, dtype=dtype)
-        self.model = nn.GPT(cfg, seed=0)
+        self.model = nn.GPT(cfg, seed=0, recompute=recompute)
         self.opt = optim.AdamW(self.model.parameters(), lr=1e-3)
         self.tokens, self.targets = AdditionTask(cfg.block_size, 0).global_batch(0, batch)
         self.loss = None
@@ -86,6 +88,8 @@ def function_code_names() -> dict[tuple, str]:
     while pending:
         cls = pending.pop()
         pending.extend(cls.__subclasses__())
+        if cls is Recompute:  # its rules run the recomputed part's operations, which have their own rows:
+            continue  # a row of its own would count them twice (what it adds is bookkeeping)
         for rule in ("forward", "backward"):
             if rule in cls.__dict__:
                 code = getattr(cls, rule).__code__
@@ -117,15 +121,17 @@ def op_seconds(step: GPTStep, repeats: int) -> tuple[dict[str, float], dict[str,
     return ops, calls, graph_phases
 
 
-def profile_figures(dtype: str, batch: int, repeats: int, model: str = "default") -> dict:
-    step = GPTStep(dtype, batch, model)
+def profile_figures(dtype: str, batch: int, repeats: int, model: str = "default",
+                    recompute: str = "none") -> dict:
+    step = GPTStep(dtype, batch, model, recompute)
     with MemoryLedger():  # listening, as in `minipar train`: its work is part of the step
         phases, phase_spreads = phase_seconds(step, repeats)
         ops, calls, graph_phases = op_seconds(step, repeats)
     in_ops = sum(seconds for name, seconds in ops.items() if name != "AdamW update")
     return {
         "model": {"config": f"{model} GPT", "d_model": step.model.config.d_model,
-                  "seq": step.model.config.block_size, "dtype": dtype, "batch": batch, "repeats": repeats},
+                  "seq": step.model.config.block_size, "dtype": dtype, "batch": batch, "repeats": repeats,
+                  "recompute": recompute},
         "phases_s": phases,
         "phases_s_spread": phase_spreads,
         "step_s": sum(phases.values()),
@@ -138,8 +144,9 @@ def profile_figures(dtype: str, batch: int, repeats: int, model: str = "default"
 
 def print_report(r: dict, top: int) -> None:
     m = r["model"]
-    print(f"{m['config']} (d {m['d_model']}, seq {m['seq']}), {m['dtype']}, batch {m['batch']}: one training "
-          f"step, median of {m['repeats']} (± half the interquartile range)")
+    recompute = f", --recompute {m['recompute']}" if m["recompute"] != "none" else ""
+    print(f"{m['config']} (d {m['d_model']}, seq {m['seq']}), {m['dtype']}, batch {m['batch']}{recompute}: "
+          f"one training step, median of {m['repeats']} (± half the interquartile range)")
     print("  phase            ms    share        ±")
     for phase, seconds in r["phases_s"].items():
         print(f"  {phase:<14} {seconds * 1e3:6.2f}  {seconds / r['step_s']:6.1%}  "
@@ -161,6 +168,8 @@ def main(argv) -> int:
                    help="the default GPT (d 64, seq 32) or a wide one (d 256, seq 64)")
     p.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+                   help="activation recomputation of the model (core/recompute.py)")
     p.add_argument("--repeats", type=int, default=10, help="steps timed (median) and profiled")
     p.add_argument("--top", type=int, default=12, help="operations listed, largest first")
     p.add_argument("--json", action="store_true")
@@ -170,7 +179,7 @@ def main(argv) -> int:
             print(f"minipar bench profile: error: --{name} must be a positive integer, got "
                   f"{getattr(args, name)}", file=sys.stderr)
             return 2
-    r = profile_figures(args.dtype, args.batch, args.repeats, args.model)
+    r = profile_figures(args.dtype, args.batch, args.repeats, args.model, args.recompute)
     if args.json:
         print(json.dumps(r))
     else:

@@ -26,6 +26,23 @@ def test_the_profile_counts_each_operation_as_the_default_gpt_has_it(capsys):
     assert 0 <= r["bookkeeping_s"] and in_ops + r["bookkeeping_s"] <= r["profiled_forward_backward_s"] + 1e-12
 
 
+def test_a_recomputed_part_counts_its_operations_twice_and_once_only_in_the_total(capsys):
+    """Full recomputation runs each block's forward twice (the head's once) and its backward once;
+    selective, each attention core's two products and softmax twice. Recompute's own rules, which
+    contain those operations, have no row: the rows would add up to more than the profiled time."""
+    layers = nn.GPTConfig().n_layer
+    for mode in ("full", "selective"):
+        assert profile.main(["--repeats", "2", "--recompute", mode, "--json"]) == 0
+        r = json.loads(capsys.readouterr().out)
+        calls = r["op_calls_per_step"]
+        assert r["model"]["recompute"] == mode and not any(name.startswith("Recompute") for name in calls)
+        assert calls["Softmax.forward"] == 2 * layers and calls["MatMul.forward"] == 4 * layers
+        assert calls["Linear.forward"] == (12 * layers + 1 if mode == "full" else 6 * layers + 1)
+        assert calls["Linear.backward"] == 6 * layers + 1
+        in_ops = sum(s for name, s in r["ops_s"].items() if name != "AdamW update")
+        assert in_ops <= r["profiled_forward_backward_s"] + 1e-12
+
+
 def test_a_bad_option_is_one_line_and_exit_2():
     done = subprocess.run([sys.executable, "-m", "minipar", "bench", "profile", "--repeats", "0"],
                           capture_output=True, text=True, timeout=60)

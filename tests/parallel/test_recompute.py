@@ -134,6 +134,31 @@ def test_bench_recompute_reports_the_formulas_peaks():
     figures = recompute_figures(seq_len=8, batch=2, precision="fp64", repeats=1)
     assert [row["recompute"] for row in figures["modes"]] == list(MODES)
     assert all(row["activations_peak"] == row["formula"] for row in figures["modes"])
+    rows = {row["recompute"]: row for row in figures["modes"]}
+    assert rows["none"]["recomputed_forward_ms"] == 0 and rows["none"]["extra_ms"] == 0
+    assert rows["selective"]["recomputed_forward_ms"] > 0 and rows["full"]["recomputed_forward_ms"] > 0
+    assert all(isinstance(row["page_faults"], int) and row["page_faults"] >= 0 for row in figures["modes"])
+
+
+def test_bench_recompute_times_the_recomputed_parts_with_the_graph_off():
+    """The yardstick of recomputation's extra time is the part each mode runs again, as its first pass
+    runs it: the blocks (full), the attention cores on the q, k, v the blocks give them (selective),
+    the graph off: nothing reaches the activation meter."""
+    from minipar.bench.recompute import attention_inputs, recomputed_forwards
+
+    cfg = nn.GPTConfig(vocab_size=AdditionTask.vocab_size, block_size=8, n_layer=2, n_head=2, d_model=8)
+    models = {mode: nn.GPT(cfg, seed=0, recompute=mode) for mode in MODES}
+    ids, _ = AdditionTask(8, 0).global_batch(0, 2)
+    with no_grad():
+        first = models["none"].blocks[0]
+        q = first.attn.query(first.ln_1(models["none"].embed(ids))).data
+    cores = attention_inputs(cfg, ids)
+    assert len(cores) == cfg.n_layer and np.array_equal(cores[0][0], q)
+    activation_meter.reset_peak()
+    before = activation_meter.current
+    for part in recomputed_forwards(models, cfg, ids).values():
+        part()
+    assert activation_meter.current == before and activation_meter.peak == before
 
 
 def test_mlp_trains_like_one_process_with_full_recomputation():
