@@ -2,7 +2,9 @@
 
 The command line's front door, above every layer (bench included): it only dispatches. Bad input ends
 every rank with one line naming the problem and exit code 2, before any collective: every rank parses
-and validates the same arguments on its own, so no rank waits for another. Lesson: lessons/00_overview.md.
+and validates the same arguments on its own, so no rank waits for another. Every command first keeps
+freed memory in the process (core/allocator.py: no page faults for each step's fresh activations).
+Lesson: lessons/00_overview.md.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from minipar.bench import registry
+from minipar.core.allocator import keep_freed_memory
 from minipar.course import command as course
 from minipar.plot import registry as plot_registry
 from minipar.trainer import commands
@@ -33,4 +36,5 @@ def main(argv=None) -> int:
             print(f"usage: minipar {{{','.join(COMMANDS)}}} [options]   (minipar COMMAND --help for details)")
             return 0
         return fail("minipar", f"choose a command: {', '.join(COMMANDS)}")
+    keep_freed_memory()
     return COMMANDS[argv[0]](argv[1:])
