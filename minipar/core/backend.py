@@ -17,6 +17,12 @@ What it costs: a staged collective pays a device-to-host and a host-to-device co
 the wire. The traffic ledger counts the wire only, which is the same on both paths.
 Lesson: lessons/11_gpu.md.
 
+Host memory freed is kept for reuse (``keep_freed_host_memory``), as CuPy's memory pool keeps device
+memory: glibc's malloc otherwise hands a free top of the heap back to the system and serves arrays
+over 128 KiB with fresh mappings, and every page of them is faulted in again on its next use. A
+step's arrays are freed and made again every step, ZeRO-3's all the more (lessons/04_zero.md
+measures what it costs). ``MINIPAR_KEEP_FREED=0`` leaves malloc's defaults.
+
     from minipar.core import backend
     be = backend.set_backend("numpy")        # or "cupy", local_rank=r
     host = be.to_host(x)                     # numpy.ndarray
@@ -25,6 +31,7 @@ Lesson: lessons/11_gpu.md.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from types import ModuleType
 
@@ -37,6 +44,23 @@ Array = numpy.ndarray
 BACKEND_NAMES = ("numpy", "cupy")
 BACKEND_ENV = "MINIPAR_BACKEND"  # the backend `minipar train` uses when --backend is not given
 CUDA_AWARE_ENV = "MINIPAR_CUDA_AWARE"  # 1: this MPI reads device memory, skip the staging copies
+KEEP_FREED_ENV = "MINIPAR_KEEP_FREED"  # 0: malloc's defaults (freed host memory goes back to the system)
+# glibc's mallopt parameters (malloc.h) and the values set: heap tops up to 1 GiB stay with the process,
+# and arrays up to 32 MiB (the largest threshold glibc takes on 64-bit) come from the heap, not mmap
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEPT_HEAP_TOP, LARGEST_HEAP_ARRAY = 1 << 30, 32 << 20
+
+
+def keep_freed_host_memory() -> bool:
+    """Ask malloc to keep the host memory a process frees for its next allocations; whether it could
+    (it cannot without glibc, or under MINIPAR_KEEP_FREED=0). Only speed changes, never a value."""
+    if os.environ.get(KEEP_FREED_ENV, "").strip() == "0":
+        return False
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # glibc's; other C libraries have none
+    if mallopt is None:
+        return False
+    kept_top = mallopt(M_TRIM_THRESHOLD, KEPT_HEAP_TOP)
+    return bool(kept_top) and bool(mallopt(M_MMAP_THRESHOLD, LARGEST_HEAP_ARRAY))
 
 
 class Backend:
@@ -144,6 +168,7 @@ def set_backend(name: str, local_rank: int | None = None, cuda_aware: bool | Non
     cuda_aware: hand device buffers to MPI directly (default: MINIPAR_CUDA_AWARE=1).
     """
     global _current
+    keep_freed_host_memory()  # host arrays on either backend (NumPy's, CuPy's staging buffers)
     if name == "numpy":
         _current = Backend("numpy", numpy)
     elif name == "cupy":

@@ -297,3 +297,36 @@ def test_a_checkpoint_saved_on_the_device_resumes_on_numpy_and_back(tmp_path):
                 resumed[saved_on, backend_name] = [r["loss"] for r in train.train(run, MPI.COMM_SELF)]
     losses, _ = train.reference_run(cfg.replace(steps=4))
     assert all(found == losses[2:] for found in resumed.values()), (resumed, losses)
+
+
+# Allocates 20 arrays of 256 KiB, touches them, frees them all, ten times over, and prints the page
+# faults of rounds 2-10: glibc serves the arrays from the heap once the first 256 KiB one is freed,
+# and trims the free top of the heap (5 MiB, over its threshold of twice that size) after each round,
+# so that every round faults its 1280 pages in again, unless malloc was asked to keep freed memory.
+FAULTS_PER_ROUND = """
+import resource, numpy
+from minipar.core import backend
+backend.keep_freed_host_memory()
+def round_of_arrays():
+    arrays = [numpy.ones(1 << 15) for _ in range(20)]  # 32768 float64: 256 KiB each
+    del arrays
+round_of_arrays()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(9):
+    round_of_arrays()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 9)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_freed_host_memory_is_reused_without_faulting_its_pages_in_again():
+    """Each round touches 20 x 64 pages; kept, they are the same pages every round (a few faults
+    at most); with malloc's defaults (MINIPAR_KEEP_FREED=0) most are given back and faulted again."""
+    def faults(keep: str) -> int:
+        env = {**os.environ, backend.KEEP_FREED_ENV: keep}
+        done = subprocess.run([sys.executable, "-c", FAULTS_PER_ROUND], env=env, capture_output=True,
+                              text=True, check=True, timeout=60)
+        return int(done.stdout)
+
+    assert faults("1") < 64
+    assert faults("0") > 20 * 64 // 2
