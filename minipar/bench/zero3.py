@@ -7,7 +7,9 @@ in every round (timing.py: alternating rounds, medians after the warm-up steps).
 per round: as `minipar train` runs (freed host memory kept by malloc for reuse, core/backend.py) and
 under MINIPAR_KEEP_FREED=0 (glibc's defaults: a free top of the heap goes back to the system, and
 its pages are faulted in again at their next use). A row shows rank 0's median tokens/s and
-comm_wait_s, and its speed against DDP's: the median over rounds of that round's ratio.
+comm_wait_s, its speed against DDP's (the median over rounds of that round's ratio) and the minor
+page faults per step and rank: what the ranks of a run fault (getrusage of the finished children)
+less what a run of only the warm-up steps faults, over the steps between and the ranks.
 Lesson: lessons/04_zero.md.
 
     python -m minipar bench zero3 [--dp 2] [--batch-size 32] [--steps 20] [--warmup 3] [--rounds 5] [--json]
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import tempfile
 from pathlib import Path
 
@@ -30,17 +33,38 @@ WAYS = {"ddp": [], "ddp --no-overlap": ["--no-overlap"], "zero3": ["--zero", "3"
 ALLOCATORS = {"kept": {}, "malloc": {"MINIPAR_KEEP_FREED": "0"}}  # freed memory kept, or malloc's defaults
 
 
+def children_faults() -> int:
+    """Minor page faults of this process's finished children (mpiexec's ranks, once it returned)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
+
+
+def faulting_run(dp: int, train_args: list[str], log: Path, env: dict) -> tuple[list[dict], int]:
+    """run_train's records, and the page faults of all the run's processes together."""
+    before = children_faults()
+    records = run_train(dp, train_args, log, env)
+    return records, children_faults() - before
+
+
 def zero3_figures(dp: int, batch_size: int, steps: int, warmup: int, rounds: int) -> dict:
-    """{allocator: {way: {tokens_per_s, comm_wait_ms, vs_ddp}}} from `rounds` alternating rounds."""
-    train = ["--dp", str(dp), "--batch-size", str(batch_size), "--steps", str(steps)]
+    """{allocator: {way: {tokens_per_s, comm_wait_ms, vs_ddp, faults_per_step}}} from `rounds`
+    alternating rounds."""
+    train = ["--dp", str(dp), "--batch-size", str(batch_size)]
     log = Path(tempfile.mkdtemp()) / "zero3.jsonl"
-    progress = Progress("zero3", rounds * len(WAYS) * len(ALLOCATORS))
+    progress = Progress("zero3", (rounds + 1) * len(WAYS) * len(ALLOCATORS))
     kept = {(allocator, way): [] for allocator in ALLOCATORS for way in WAYS}  # every round's records
+    faults = {key: [] for key in kept}  # every round's faults per step and rank
+    start_up = {}  # the faults of a run of the warm-up steps alone: start-up, imports, first steps
+    for allocator, env in ALLOCATORS.items():
+        for way, extra in WAYS.items():
+            progress(f"warm-up steps alone {way} ({allocator})")
+            _, start_up[allocator, way] = faulting_run(dp, [*train, "--steps", str(warmup), *extra], log, env)
     for round_ in range(rounds):
         for way, extra in WAYS.items():
             for allocator, env in ALLOCATORS.items():
                 progress(f"round {round_ + 1} {way} ({allocator})")
-                kept[allocator, way].append(run_train(dp, [*train, *extra], log, env)[warmup:])
+                records, faulted = faulting_run(dp, [*train, "--steps", str(steps), *extra], log, env)
+                kept[allocator, way].append(records[warmup:])
+                faults[allocator, way].append((faulted - start_up[allocator, way]) / ((steps - warmup) * dp))
     figures: dict = {}
     for (allocator, way), per_round in kept.items():
         speeds = [median(records, lambda r: r["tokens_per_s"]) for records in per_round]
@@ -49,7 +73,8 @@ def zero3_figures(dp: int, batch_size: int, steps: int, warmup: int, rounds: int
         figures.setdefault(allocator, {})[way] = {
             "tokens_per_s": median(records, lambda r: r["tokens_per_s"]),
             "comm_wait_ms": 1e3 * median(records, lambda r: r["comm_wait_s"]),
-            "vs_ddp": float(np.median(np.array(speeds) / np.array(ddp)))}
+            "vs_ddp": float(np.median(np.array(speeds) / np.array(ddp))),
+            "faults_per_step": float(np.median(faults[allocator, way]))}
     return figures
 
 
@@ -60,7 +85,8 @@ def table(figures: dict) -> list[str]:
     for allocator in ALLOCATORS:
         columns += [(f"tokens/s ({allocator})", lambda row, a=allocator: f"{row[f'{a} tokens_per_s']:.0f}"),
                     ("wait ms", lambda row, a=allocator: f"{row[f'{a} comm_wait_ms']:.2f}"),
-                    ("vs ddp", lambda row, a=allocator: f"{row[f'{a} vs_ddp']:.2f}x")]
+                    ("vs ddp", lambda row, a=allocator: f"{row[f'{a} vs_ddp']:.2f}x"),
+                    ("faults/step", lambda row, a=allocator: f"{row[f'{a} faults_per_step']:.0f}")]
     return right_aligned(rows, columns)
 
 
