@@ -12,7 +12,7 @@ import importlib
 import sys
 
 BENCHES = ("autograd", "dp", "pp", "tp", "fusion", "precision", "layouts", "memory", "tracer", "gpu",
-           "recompute", "context", "simulate", "profile")
+           "recompute", "context", "simulate", "profile", "zero3")
 QUICK = ("autograd", "dp", "pp", "tp", "fusion", "precision")  # what `bench all` runs (gpu needs a GPU)
 
 
