@@ -55,6 +55,22 @@ class Runner(Protocol):
         return None
 
 
+class RunnerWrapper(Runner):
+    """A runner that changes a step around an inner runner (context parallelism's columns, MoE's aux
+    loss, mixed precision's 16-bit weights) and reports what the inner one counted and measured."""
+
+    runner: Runner
+
+    def correct_count(self) -> int | None:
+        return self.runner.correct_count()
+
+    def timing(self) -> dict | None:
+        return self.runner.timing()
+
+    def log_record(self) -> dict | None:
+        return self.runner.log_record()
+
+
 @runtime_checkable
 class Updater(Protocol):
     """The optimizer step of this rank, and the model states it holds.

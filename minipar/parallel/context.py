@@ -34,7 +34,7 @@ from minipar.core.backend import current as current_backend
 from minipar.core.backend import xp_of
 from minipar.core.hooks import RemovableHandle
 from minipar.core.nn import GPTEmbedding
-from minipar.parallel.api import Runner
+from minipar.parallel.api import Runner, RunnerWrapper
 
 # ---- the zig-zag split -------------------------------------------------------------------------------
 
@@ -191,7 +191,7 @@ def hold_positions(model, positions) -> list[RemovableHandle]:
             if isinstance(unit, GPTEmbedding)]
 
 
-class ContextParallelRunner(Runner):
+class ContextParallelRunner(RunnerWrapper):
     """The inner runner on this rank's columns of the batch: the tokens and targets at `positions`,
     with `model`'s position embedding looking them up (hold_positions). The normaliser stays the
     global token count, so the gradients summed over cp are one process's."""
@@ -204,15 +204,6 @@ class ContextParallelRunner(Runner):
         mine = self.positions
         return self.runner.forward_backward(inputs[:, mine], targets[:, mine], normaliser,
                                             None if scored is None else scored[:, mine])
-
-    def correct_count(self) -> int | None:
-        return self.runner.correct_count()
-
-    def timing(self) -> dict | None:
-        return self.runner.timing()
-
-    def log_record(self) -> dict | None:
-        return self.runner.log_record()
 
 
 def ring_attention_bytes(batch: int, seq_len: int, d_model: int, cp: int, tp: int, itemsize: int) -> int:

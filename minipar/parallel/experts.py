@@ -32,7 +32,7 @@ from minipar.core.moe import IndexAdd, MoEConfig, MoEGPT, MoELayer, RoutingStats
 from minipar.core.nn import MLP, GPTConfig, Linear
 from minipar.dist import collectives
 from minipar.dist.comm import Comm, ProcessGrid
-from minipar.parallel.api import LocalUpdater, Runner, Updater
+from minipar.parallel.api import LocalUpdater, Runner, RunnerWrapper, Updater
 from minipar.parallel.tensor_gpt import TensorParallelGPT
 from minipar.parallel.zero import ZeroStage1, ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
@@ -117,7 +117,7 @@ class ExpertParallelMoELayer(MoELayer):
         return AllToAll.apply(back, self.groups.ep).reshape(self.moe.n_experts * B * C, D)
 
 
-class AuxLossRunner(Runner):
+class AuxLossRunner(RunnerWrapper):
     """The inner runner, with the MoE layers told this step's aux-loss gradient (coef / global
     sequences, from the normaliser) before any backward: a pipeline stage that holds MoE layers but
     not the loss gets it here. Its loss adds the aux part of its layers that no loss counted (every
@@ -130,15 +130,6 @@ class AuxLossRunner(Runner):
         self.routing.set_normaliser(self.coef, targets.shape[1], normaliser)
         loss = self.runner.forward_backward(inputs, targets, normaliser, scored)
         return loss + self.routing.settle()
-
-    def correct_count(self) -> int | None:
-        return self.runner.correct_count()
-
-    def timing(self) -> dict | None:
-        return self.runner.timing()
-
-    def log_record(self) -> dict | None:
-        return self.runner.log_record()
 
 
 def dispatch_bytes_per_step(cfg, local_sequences: int) -> int:

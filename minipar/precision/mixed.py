@@ -28,7 +28,7 @@ import numpy as np
 from minipar.core import autograd
 from minipar.dist.collectives import Wire, ring_all_reduce
 from minipar.memory.ledger import buffer_meter
-from minipar.parallel.api import Runner
+from minipar.parallel.api import RunnerWrapper
 from minipar.precision.formats import DynamicLossScaler, Precision, pack_low, unpack_low
 
 LOW_PRECISIONS = ("bf16", "fp16")
@@ -47,7 +47,7 @@ def rounding_every_op(round_to):
     return cast
 
 
-class MixedPrecisionRunner(Runner):
+class MixedPrecisionRunner(RunnerWrapper):
     """Runs the inner runner on 16-bit working weights and activations; gradients land in fp32.
 
     With a `LossScalingOptimizer`, the loss is multiplied by its current scale: the runners divide
@@ -74,12 +74,6 @@ class MixedPrecisionRunner(Runner):
                 p.data = m
             buffer_meter.release(sum(w.nbytes for w in working))
         return loss / scale
-
-    def timing(self) -> dict | None:
-        return self.runner.timing()  # a pipeline's, run in 16 bits
-
-    def correct_count(self) -> int | None:
-        return self.runner.correct_count()
 
     def log_record(self) -> dict | None:
         """The loss scale of the last step and whether it was skipped (fp16), for the train log."""
