@@ -64,14 +64,18 @@ def compare_output(example: Example) -> str | None:
     return None
 
 
+def fence_body(document, region: Region) -> str:
+    """The fenced block's lines as written (Sybil's lexeme drops the indentation common to them all)."""
+    return document.text[region.start:region.end].split("\n", 1)[1].rsplit("```", 1)[0]
+
+
 def parse_fenced_outputs(document) -> list[Region]:
     lexer = FencedCodeBlockLexer(r"output(?:[ \t][^\n]*)?",
                                  mapping={"language": "language", "source": "source"})
     regions = []
     for region in lexer(document):
         arguments = region.lexemes["language"][len("output"):]
-        # the fence's body as written: Sybil's lexeme drops the indentation common to every line
-        body = document.text[region.start:region.end].split("\n", 1)[1].rsplit("```", 1)[0]
+        body = fence_body(document, region)
         region.parsed = (arguments, body)
         region.evaluator = compare_output
         regions.append(region)
@@ -120,7 +124,7 @@ def run_console(example: Example) -> str | None:
 def parse_consoles(document) -> list[Region]:
     regions = []
     for region in CodeBlockParser("console", run_console)(document):
-        body = document.text[region.start:region.end].split("\n", 1)[1].rsplit("```", 1)[0]
+        body = fence_body(document, region)
         region.parsed = console_commands(body)
         regions.append(region)
     return regions
@@ -142,7 +146,7 @@ def parse_excerpts(document) -> list[Region]:
                                  mapping={"language": "language", "source": "source"})
     regions = []
     for region in lexer(document):
-        body = document.text[region.start:region.end].split("\n", 1)[1].rsplit("```", 1)[0]
+        body = fence_body(document, region)
         region.parsed = (region.lexemes["language"].split(None, 2)[2].strip(), body)
         region.evaluator = check_excerpt
         regions.append(region)
