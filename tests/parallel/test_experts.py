@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 from mpi_harness import at_world_size, mpi_given, needs_world_size
+from one_process import assert_trains_like_one_process
 
 from minipar.core.autograd import Tensor
 from minipar.core.moe import MoEConfig, MoEGPT, MoELayer
@@ -25,7 +26,7 @@ from minipar.core.nn import GPTConfig
 from minipar.dist.collectives import all_to_all
 from minipar.dist.comm import Comm
 from minipar.trainer.config import TrainConfig
-from minipar.trainer.loop import Trainer, compare_with_reference
+from minipar.trainer.loop import Trainer
 from minipar.trainer.validate import validate
 
 WORLD = MPI.COMM_WORLD
@@ -176,9 +177,7 @@ def test_full_recomputation_trains_like_no_recomputation():
     cfg = tiny(dp=1, recompute="full", aux_loss_coef=0.5)
     trainer = Trainer(cfg, MPI.COMM_SELF)
     records = trainer.run()
-    check = compare_with_reference(cfg, records, trainer.full_state())
-    assert check["max_rel_loss_deviation"] <= 1e-9, check
-    assert check["max_rel_weight_deviation"] <= 1e-9, check
+    assert_trains_like_one_process(cfg, records, trainer.full_state())
     alone = Trainer(cfg.single_process(), MPI.COMM_SELF).run()
     assert [r["tokens_per_expert"] for r in records] == [r["tokens_per_expert"] for r in alone]
     assert [r["aux_loss"] for r in records] == pytest.approx([r["aux_loss"] for r in alone], rel=1e-12)
@@ -209,9 +208,7 @@ def trains_like_one_process(cfg) -> list[dict]:
     records = trainer.run()
     full = trainer.full_state()
     if WORLD.rank == 0:
-        check = compare_with_reference(cfg, records, full)
-        assert check["max_rel_loss_deviation"] <= 1e-9, check
-        assert check["max_rel_weight_deviation"] <= 1e-9, check
+        assert_trains_like_one_process(cfg, records, full)
     return records
 
 
@@ -335,9 +332,7 @@ def test_a_checkpoint_saved_with_ep_resumes_in_another_ep(seed):
     full = trainer.full_state()
     if WORLD.rank == 0:
         assert [r["step"] for r in records] == [2, 3]
-        check = compare_with_reference(resumed.replace(resume=None), records, full)
-        assert check["max_rel_loss_deviation"] <= 1e-9, check
-        assert check["max_rel_weight_deviation"] <= 1e-9, check
+        assert_trains_like_one_process(resumed.replace(resume=None), records, full)
 
 
 def test_a_checkpoint_of_other_experts_is_refused(tmp_path):

@@ -13,12 +13,13 @@ import pytest
 from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_harness import mpi_given, needs_world_size
+from one_process import assert_trains_like_one_process
 
 from minipar.bench.layouts import factorisations
 from minipar.core.nn import MLPConfig, MLPNet
 from minipar.parallel.pipeline import build_stage
 from minipar.trainer.config import TrainConfig
-from minipar.trainer.loop import Trainer, compare_with_reference
+from minipar.trainer.loop import Trainer
 from minipar.trainer.validate import validate
 
 WORLD = MPI.COMM_WORLD
@@ -45,9 +46,7 @@ def run_in_groups(cfg):
         records = trainer.run()
         full = trainer.full_state()
         if group.rank == 0:
-            check = compare_with_reference(cfg, records, full)
-            assert check["max_rel_loss_deviation"] <= 1e-9, check
-            assert check["max_rel_weight_deviation"] <= 1e-9, check
+            assert_trains_like_one_process(cfg, records, full)
         return trainer, records
     finally:
         group.Free()

@@ -16,6 +16,7 @@ import numpy as np
 from hypothesis import given, settings
 from mpi4py import MPI
 from mpi_harness import mpi_given, needs_world_size
+from one_process import assert_trains_like_one_process, train
 
 from minipar.bench.layouts import factorisations
 from minipar.core import functional as F
@@ -26,7 +27,7 @@ from minipar.core.shards import shard_sizes
 from minipar.dist.comm import ring_bytes_sent
 from minipar.memory.activations import block_activation_values, gpt_activation_peak, head_values
 from minipar.trainer.config import TrainConfig
-from minipar.trainer.loop import Trainer, compare_with_reference
+from minipar.trainer.loop import compare_with_reference
 from minipar.trainer.tasks import AdditionTask
 from minipar.trainer.validate import validate
 
@@ -38,12 +39,6 @@ def tiny(**changes) -> TrainConfig:
     base = TrainConfig(precision="fp64", n_layer=2, n_head=2, d_model=8, seq_len=8, batch_size=4, steps=2,
                        quiet=True, dp=1)
     return base.replace(**changes)
-
-
-def train(cfg, world=WORLD):
-    trainer = Trainer(cfg, world)
-    records = trainer.run()
-    return records, trainer.full_state()
 
 
 # ----- serial: the Function, the per-block bytes, the peak of a run ---------------------------------------
@@ -196,9 +191,7 @@ def test_every_layout_with_recomputation_trains_like_one_process(layout, mode, z
     assert validate(cfg, WORLD.size) == []
     records, full = train(cfg)
     if WORLD.rank == 0:
-        check = compare_with_reference(cfg, records, full)
-        assert check["max_rel_loss_deviation"] <= 1e-9, check
-        assert check["max_rel_weight_deviation"] <= 1e-9, check
+        assert_trains_like_one_process(cfg, records, full)
 
 
 def all_reduce_cost(n_values: int, comm_size: int, rank: int) -> int:

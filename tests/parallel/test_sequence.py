@@ -16,6 +16,7 @@ import hypothesis.strategies as st
 import numpy as np
 from mpi4py import MPI
 from mpi_harness import mpi_given, mpi_test, needs_world_size
+from one_process import assert_trains_like_one_process, train
 
 from minipar.bench.layouts import factorisations
 from minipar.core.autograd import Tensor
@@ -24,7 +25,7 @@ from minipar.dist.comm import ring_bytes_sent
 from minipar.memory.activations import gpt_activation_peak
 from minipar.parallel.sequence import gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel
 from minipar.trainer.config import TrainConfig
-from minipar.trainer.loop import Trainer, compare_with_reference
+from minipar.trainer.loop import compare_with_reference
 from minipar.trainer.tasks import AdditionTask
 from minipar.trainer.validate import validate
 
@@ -36,12 +37,6 @@ def tiny(**changes) -> TrainConfig:
     base = TrainConfig(sp=True, precision="fp64", n_layer=2, n_head=4, d_model=8, seq_len=8, batch_size=4,
                        steps=2, quiet=True)
     return base.replace(**changes)
-
-
-def train(cfg):
-    trainer = Trainer(cfg, WORLD)
-    records = trainer.run()
-    return records, trainer.full_state()
 
 
 # ----- serial: the checks ------------------------------------------------------------------------------
@@ -82,9 +77,7 @@ def test_sequence_parallel_trains_like_one_process(layout, zero, recompute, micr
     assert validate(cfg, WORLD.size) == []
     records, full = train(cfg)
     if WORLD.rank == 0:
-        check = compare_with_reference(cfg, records, full)
-        assert check["max_rel_loss_deviation"] <= 1e-9, check
-        assert check["max_rel_weight_deviation"] <= 1e-9, check
+        assert_trains_like_one_process(cfg, records, full)
 
 
 @needs_world_size(4)
