@@ -13,6 +13,7 @@ import math
 from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import xp_of
 from minipar.core.tensor_ops import mul, sub, sum
+from minipar.core.tiles import in_cache_tiles
 
 GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -26,6 +27,10 @@ def _data(x):
 
 def gelu_forward(x):
     """GPT-2's tanh approximation of GELU on arrays: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))."""
+    return in_cache_tiles(_gelu_forward_rule, x)
+
+
+def _gelu_forward_rule(x):
     t = _tanh_of_inner(x)
     t += 1.0
     half_x = 0.5 * x
@@ -40,7 +45,11 @@ def gelu_backward(x, g):
     this size, fresh pages):
         g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (c * (1.0 + 3 * 0.044715 * x * x)))
     Here the same operations in the same order (so the same bits, tests/core/test_speed_forms.py),
-    written in place on three arrays of our own."""
+    written in place on three arrays of our own, tile by tile (core/tiles.py)."""
+    return in_cache_tiles(_gelu_backward_rule, x, g)
+
+
+def _gelu_backward_rule(x, g):
     xp = xp_of(x)
     t = _tanh_of_inner(x)
     scratch = xp.multiply(t, t)  # 1 - t t

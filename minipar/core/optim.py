@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from minipar.core.backend import xp_of
+from minipar.core.tiles import update_in_cache_tiles
 
 OPTIMIZERS = ("adamw", "sgd")  # `minipar train --optimizer`: AdamW or SGD (with momentum), below
 
@@ -22,8 +23,14 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, 
         exp_avg = beta1 * exp_avg + (1 - beta1) * grad
         exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
         param -= (lr / bias_correction1) * exp_avg / (sqrt(exp_avg_sq) / sqrt(bias_correction2) + eps)
-    written here on three new arrays (the plain form makes eight): the same operations in the same
-    order, so the same bits (tests/core/test_speed_forms.py)."""
+    written here on three new arrays (the plain form makes eight), tile by tile over a large buffer
+    (core/tiles.py): the same operations in the same order, so the same bits
+    (tests/core/test_speed_forms.py)."""
+    update_in_cache_tiles(_adamw_rule, param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
+                          beta2=beta2, eps=eps, weight_decay=weight_decay)
+
+
+def _adamw_rule(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
     xp = xp_of(param)
     param *= 1 - lr * weight_decay
     scratch = xp.multiply(grad, 1 - beta1)
