@@ -10,7 +10,9 @@ Two limits for the fused run, timed in the same rounds: "copy", the copy ceiling
 the same bytes as the fused run, its inputs read once and its output written once: the time memory
 alone takes), and for the chain "floor", the compute floor (the fused kernel's per-tile program on
 one tile, which stays in cache, run once per tile: the time the arithmetic and the interpreter's
-per-tile work take with no memory traffic). Lesson: lessons/10_fusion.md.
+per-tile work take with no memory traffic). Like the copy, the eager and the fused chain write their
+result into an array allocated once, so that no run pays for fresh pages of its result (bench_chain).
+Lesson: lessons/10_fusion.md.
 
     python -m minipar bench fusion [--size 16777216] [--repeats 5] [--tile 32768] [--json]
 """
@@ -44,8 +46,12 @@ def bench_chain(size: int, repeats: int, tile: int) -> dict:
     rng = np.random.default_rng(0)
     a_values, b_values = rng.random(size, dtype=np.float32), rng.random(size, dtype=np.float32)
     expr = chain8(array(a_values, name="a"), array(b_values, name="b"), ops=fx)
-    works = {"eager": lambda: run(expr, fused=False, tile=tile)[1],
-             "fused": lambda: run(expr, fused=True, tile=tile)[1],
+    # Each run writes its result into an array it is given, as the copy writes into its target: a fresh
+    # result array would add its first touch (the kernel zeroing 64 MiB of new pages, 7 ms here) to a
+    # time meant to be traffic and arithmetic. Eager still allocates its seven intermediates: that is eager.
+    results = {mode: np.empty_like(a_values) for mode in ("eager", "fused")}
+    works = {"eager": lambda: run(expr, fused=False, tile=tile, out=results["eager"])[1],
+             "fused": lambda: run(expr, fused=True, tile=tile, out=results["fused"])[1],
              "numpy": lambda: chain8(a_values, b_values),
              "copy": copy_ceiling(3 * size),
              "floor": compute_floor(a_values[:tile].copy(), b_values[:tile].copy(), -(-size // tile))}
