@@ -335,9 +335,13 @@ class Function:
     def apply(cls, *args):
         ctx = Context()
         ctx.inputs = args
-        arrays = [a.data if isinstance(a, Tensor) else a for a in args]
-        needs_grad = _grad_enabled and any(isinstance(a, Tensor) and a.requires_grad for a in args)
-        ctx.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        arrays, needs = [], []  # one pass over the arguments: this runs for every op of every step
+        for a in args:
+            tensor = isinstance(a, Tensor)
+            arrays.append(a.data if tensor else a)
+            needs.append(tensor and a.requires_grad)
+        ctx.needs_input_grad = tuple(needs)
+        needs_grad = _grad_enabled and True in needs
         ctx.recording = needs_grad
         out = cls.forward(ctx, *arrays)
         if _output_cast is not None:

@@ -109,6 +109,9 @@ class Module:
     def __call__(self, *args, **kwargs):
         """`forward`, with the hooks around it: forward pre-hooks, the input's backward hook, forward,
         forward hooks, the output's backward hook (PyTorch's order)."""
+        if not (self._forward_pre_hooks or self._backward_hooks or self._forward_hooks
+                or self._backward_pre_hooks):  # no hooks: the common case, one check
+            return self.forward(*args, **kwargs)
         for hook in self._forward_pre_hooks:
             replaced = hook(self, args)
             if replaced is not None:
