@@ -6,11 +6,17 @@ tests/trainer/test_train_cli.py checks gives the same gradients), timed in alter
 medians and the median of the per-round ratios, the overhead. Also the median time of one training
 step of the default GPT (AdamW).
 
+A second, smaller MLP has ShallowSpeed's shape (its train.py: 784 inputs, six hidden layers of about
+128, 10 outputs, batch 128, fp32; here every hidden layer is 128 wide and the activation is GELU, as
+minipar's MLPNet has it): at this size the per-op bookkeeping weighs most against the arithmetic.
+
 When PyTorch is installed (an optional extra, never in `make setup` nor CI: `pip install torch`, a
-CPU build), the same MLP and the same GPT written in PyTorch (same weights, AdamW) are timed against
+CPU build), both MLPs and the same GPT written in PyTorch (same weights, AdamW) are timed against
 minipar's in alternating rounds, on the default and a wide GPT (d 256, seq 64), fp32 and fp64, on
 one thread; its first loss is checked against minipar's so that the two really compute the same step.
-Without PyTorch the bench says so in one line. Lesson: lessons/01_autograd.md.
+In the same rounds the GPT's Linear products alone are timed through NumPy's BLAS and PyTorch's
+(torch_gpt.LinearProducts): the part of the gap that is the BLAS library's, and what is left, the
+ratio of everything else. Without PyTorch the bench says so in one line. Lesson: lessons/01_autograd.md.
 
     python -m minipar bench autograd [--batch 256] [--width 512] [--layers 4] [--repeats 30]
                                      [--torch-repeats 7] [--no-torch] [--json]
@@ -52,17 +58,44 @@ def hand_written_mlp_step(weights, x, y):
     return grads
 
 
-def autograd_figures(batch: int, width: int, layers: int, repeats: int, with_torch: bool = True) -> dict:
-    cfg = nn.MLPConfig(d_in=width, d_hidden=width, d_out=width, n_layer=layers)
+# ShallowSpeed's MLP (github.com/siboehm/ShallowSpeed, train.py: layer_sizes [784, 128, 127, 126, 125,
+# 124, 123, 10], GLOBAL_BATCH_SIZE 128, float32), its hidden widths made one, 128
+SHALLOWSPEED_MLP = nn.MLPConfig(d_in=784, d_hidden=128, d_out=10, n_layer=7, dtype="float32")
+SHALLOWSPEED_BATCH = 128
+
+
+def mlp_works(cfg: nn.MLPConfig, batch: int, with_torch: bool) -> dict:
+    """One forward and backward of MLPNet(cfg) on a batch of random data (summed squared error): by
+    hand in NumPy, through minipar's autograd, and in PyTorch when `with_torch` and it is installed."""
     model = nn.MLPNet(cfg, seed=0)
     rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((batch, width)), rng.standard_normal((batch, width))
+    x = rng.standard_normal((batch, cfg.d_in)).astype(cfg.dtype)
+    y = rng.standard_normal((batch, cfg.d_out)).astype(cfg.dtype)
     weights = [(layer.linear.weight.data, layer.linear.bias.data) for layer in model.layers]
 
     def minipar_step():
         model.zero_grad()
         F.mse_loss(model(x), y, "sum").backward()
 
+    works = {"hand": lambda: hand_written_mlp_step(weights, x, y), "minipar": minipar_step}
+    if with_torch and torch_gpt.unavailable() is None:  # the same MLP in PyTorch, in the same rounds
+        works["torch"] = torch_gpt.TorchMLPStep(model, x, y)
+    return works
+
+
+def mlp_figures(times: dict) -> dict:
+    """Medians and spreads of mlp_works' rounds, and the per-round ratios' medians."""
+    figures = {}
+    for name, seconds in times.items():
+        figures[f"{name}_s"], figures[f"{name}_s_spread"] = spread(seconds)
+    figures["hand_ratio"] = float(np.median(times["minipar"] / times["hand"]))
+    if "torch" in times:
+        figures["torch_ratio"] = float(np.median(times["minipar"] / times["torch"]))
+    return figures
+
+
+def autograd_figures(batch: int, width: int, layers: int, repeats: int, with_torch: bool = True) -> dict:
+    cfg = nn.MLPConfig(d_in=width, d_hidden=width, d_out=width, n_layer=layers)
     gpt = nn.GPT(nn.GPTConfig(), seed=0)
     opt = optim.AdamW(gpt.parameters(), lr=1e-3)
     tokens, targets = AdditionTask(32, 0).global_batch(0, 16)
@@ -72,10 +105,7 @@ def autograd_figures(batch: int, width: int, layers: int, repeats: int, with_tor
         gpt.loss(gpt(tokens), targets, targets.size).backward()
         opt.step()
 
-    works = {"hand": lambda: hand_written_mlp_step(weights, x, y), "minipar": minipar_step}
-    if with_torch and torch_gpt.unavailable() is None:  # the same MLP in PyTorch, in the same rounds
-        works["torch"] = torch_gpt.TorchMLPStep(model, x, y)
-    times = round_times(works, repeats)
+    times = round_times(mlp_works(cfg, batch, with_torch), repeats)
     figures = {
         "mlp": {"batch": batch, "width": width, "layers": layers},
         "hand_numpy_s": float(np.median(times["hand"])),
@@ -89,6 +119,8 @@ def autograd_figures(batch: int, width: int, layers: int, repeats: int, with_tor
     if "torch" in times:
         figures["torch_mlp_s"] = float(np.median(times["torch"]))
         figures["mlp_torch_ratio"] = float(np.median(times["minipar"] / times["torch"]))
+    figures["shallowspeed_mlp"] = mlp_figures(round_times(
+        mlp_works(SHALLOWSPEED_MLP, SHALLOWSPEED_BATCH, with_torch), repeats))
     return figures
 
 
@@ -106,14 +138,20 @@ def torch_figures(repeats: int, batch: int = 16) -> dict:
             tokens, targets = AdditionTask(cfg.block_size, 0).global_batch(0, batch)
             mine = torch_gpt.MiniparGPTStep(cfg, tokens, targets)
             theirs = torch_gpt.TorchGPTStep(mine.model, tokens, targets)
+            products = torch_gpt.LinearProducts(mine.model, tokens.size)
             first_losses = (mine(), theirs())
-            times = round_times({"minipar": mine, "torch": theirs}, repeats)
+            times = round_times({"minipar": mine, "torch": theirs, "numpy_products": products.numpy,
+                                 "torch_products": products.torch}, repeats)
             ratios = times["minipar"] / times["torch"]
+            rest = (times["minipar"] - times["numpy_products"]) / (times["torch"] - times["torch_products"])
             figures[f"{name} {dtype}"] = {
                 "d_model": cfg.d_model, "seq": cfg.block_size, "batch": batch,
                 "minipar_s": float(np.median(times["minipar"])), "torch_s": float(np.median(times["torch"])),
                 "ratio": float(np.median(ratios)),
                 "ratio_quartiles": [float(q) for q in np.percentile(ratios, [25, 75])],
+                "products_ratio": float(np.median(times["numpy_products"] / times["torch_products"])),
+                "products_share": float(np.median(times["numpy_products"] / times["minipar"])),
+                "rest_ratio": float(np.median(rest)),
                 "first_loss_gap": abs(first_losses[0] - first_losses[1]) / abs(first_losses[1]),
             }
     return figures
@@ -122,12 +160,16 @@ def torch_figures(repeats: int, batch: int = 16) -> dict:
 def print_torch_figures(figures: dict, repeats: int) -> None:
     print(f"GPT training step (AdamW), minipar against PyTorch {torch_gpt.torch_version()} on "
           f"{torch_gpt.torch_threads()} thread(s), median of {repeats} alternating rounds")
-    print("  model                     minipar ms   PyTorch ms   ratio (quartiles)   first-loss gap")
+    print("  model                            minipar ms  PyTorch ms  ratio (quartiles)  products  rest  "
+          "first-loss gap")
     for name, f in figures.items():
         low, high = f["ratio_quartiles"]
         label = f"{name} (d {f['d_model']}, seq {f['seq']})"
-        print(f"  {label:<25} {f['minipar_s'] * 1e3:10.2f}   {f['torch_s'] * 1e3:10.2f}   "
-              f"{f['ratio']:5.2f} ({low:.2f}-{high:.2f})   {f['first_loss_gap']:.1e}")
+        print(f"  {label:<32} {f['minipar_s'] * 1e3:10.2f}  {f['torch_s'] * 1e3:10.2f}  "
+              f"{f['ratio']:5.2f} ({low:.2f}-{high:.2f})  {f['products_ratio']:8.2f}  "
+              f"{f['rest_ratio']:4.2f}  {f['first_loss_gap']:.1e}")
+    print("  products: the step's Linear products alone, NumPy's BLAS over PyTorch's (the same rounds);")
+    print("  rest: the step without them, minipar over PyTorch")
 
 
 def main(argv) -> int:
@@ -158,12 +200,26 @@ def main(argv) -> int:
     print(f"  hand-written NumPy   {plus_minus(r['hand_numpy_s'], r['hand_numpy_s_spread'], 1e3, 2):>15} ms")
     print(f"  minipar autograd     {plus_minus(r['minipar_s'], r['minipar_s_spread'], 1e3, 2):>15} ms")
     print(f"  overhead ratio       {r['overhead_ratio']:8.3f}x")
+    if not missing:
+        print(f"  PyTorch              {r['torch_mlp_s'] * 1e3:15.2f} ms, "
+              f"minipar / PyTorch {r['mlp_torch_ratio']:.3f}x")
+    print_small_mlp(r["shallowspeed_mlp"], args.repeats)
     gpt_step = plus_minus(r["gpt_step_s"], r["gpt_step_s_spread"], 1e3)
     print(f"GPT (default config) training step: {gpt_step} ms")
     if missing:
         print(f"PyTorch comparison skipped: {missing}")
     else:
-        print(f"MLP in PyTorch {torch_gpt.torch_version()} (same rounds): {r['torch_mlp_s'] * 1e3:.2f} ms, "
-              f"minipar / PyTorch {r['mlp_torch_ratio']:.3f}x")
         print_torch_figures(r["torch"], args.torch_repeats)
     return 0
+
+
+def print_small_mlp(f: dict, repeats: int) -> None:
+    c = SHALLOWSPEED_MLP
+    print(f"ShallowSpeed's MLP ({c.d_in}-{c.d_hidden}x{c.n_layer - 1}-{c.d_out}, batch {SHALLOWSPEED_BATCH}, "
+          f"{c.dtype}, GELU), forward+backward, median of {repeats} alternating rounds")
+    print(f"  hand-written NumPy   {plus_minus(f['hand_s'], f['hand_s_spread'], 1e3, 3):>15} ms")
+    print(f"  minipar autograd     {plus_minus(f['minipar_s'], f['minipar_s_spread'], 1e3, 3):>15} ms, "
+          f"{f['hand_ratio']:.3f}x hand-written")
+    if "torch_ratio" in f:
+        print(f"  PyTorch              {plus_minus(f['torch_s'], f['torch_s_spread'], 1e3, 3):>15} ms, "
+              f"minipar / PyTorch {f['torch_ratio']:.3f}x")

@@ -132,3 +132,33 @@ class TorchMLPStep:
         loss = ((h - self.y) ** 2).sum()
         loss.backward()
         return loss.item()
+
+
+class LinearProducts:
+    """The matrix products of `model`'s Linear layers in one training step, at its shapes, with nothing
+    else: for each layer the forward x W^T and the two backward products g W and g^T x, over `tokens`
+    rows. `numpy()` runs them as minipar does (NumPy, its BLAS); `torch()` as PyTorch does. Timed beside
+    the two steps, they show how much of the gap is the BLAS library alone, which minipar cannot change."""
+
+    def __init__(self, model: nn.Module, tokens: int, seed: int = 0):
+        import numpy as np
+        import torch
+
+        rng = np.random.default_rng(seed)
+        self.layers = []
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                w = module.weight.data
+                x = rng.standard_normal((tokens, w.shape[1])).astype(w.dtype)
+                g = rng.standard_normal((tokens, w.shape[0])).astype(w.dtype)
+                self.layers.append((x, w, g))
+        self.torch_layers = [tuple(torch.from_numpy(a) for a in layer) for layer in self.layers]
+
+    def numpy(self) -> None:
+        for x, w, g in self.layers:
+            x @ w.T, g @ w, g.T @ x
+
+    def torch(self) -> None:
+        for x, w, g in self.torch_layers:
+            x @ w.T, g @ w, g.T @ x
+

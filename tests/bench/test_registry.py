@@ -40,6 +40,8 @@ def test_the_command_line_runs_the_named_bench_under_a_header(capsys):
     figures = json.loads(report)
     assert figures["mlp"] == {"batch": 4, "width": 8, "layers": 2}
     assert all(figures[k] > 0 for k in ("hand_numpy_s", "minipar_s", "overhead_ratio", "gpt_step_s"))
+    small = figures["shallowspeed_mlp"]
+    assert all(small[k] > 0 for k in ("hand_s", "minipar_s", "hand_ratio")) and "torch_ratio" not in small
 
 
 def test_autograd_table_shows_both_times_and_their_ratio(capsys):
@@ -48,7 +50,10 @@ def test_autograd_table_shows_both_times_and_their_ratio(capsys):
     assert lines[0] == ("MLP 2 x 8, batch 4, fp64, forward+backward, median of 2 alternating rounds "
                         "± half the interquartile range")
     assert [line.split()[0] for line in lines[1:4]] == ["hand-written", "minipar", "overhead"]
-    assert lines[4].startswith("GPT (default config) training step: ") and lines[4].endswith(" ms")
+    assert lines[4].startswith("ShallowSpeed's MLP (784-128x6-10, batch 128, float32, GELU)")
+    assert [line.split()[0] for line in lines[5:7]] == ["hand-written", "minipar"]
+    assert lines[6].endswith("x hand-written")  # --no-torch: no PyTorch line
+    assert lines[7].startswith("GPT (default config) training step: ") and lines[7].endswith(" ms")
 
 
 @pytest.mark.parametrize("argv", [["--repeats", "0"], ["--width", "-1"], ["--layers", "0"]])

@@ -41,3 +41,38 @@ def test_pytorch_computes_the_same_mlp_gradients():
     for (gw, gb), (w, b) in zip(hand, step.layers):
         np.testing.assert_allclose(w.grad.numpy(), gw, rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(b.grad.numpy(), gb, rtol=1e-9, atol=1e-12)
+
+
+def test_the_shallowspeed_mlp_is_the_shape_of_its_train_py():
+    # github.com/siboehm/ShallowSpeed train.py: layer_sizes = [784, 128, 127, 126, 125, 124, 123, 10],
+    # GLOBAL_BATCH_SIZE = 128, float32 data: seven Linear layers, the hidden widths made one (128)
+    works = autograd.mlp_works(autograd.SHALLOWSPEED_MLP, autograd.SHALLOWSPEED_BATCH, with_torch=False)
+    model = nn.MLPNet(autograd.SHALLOWSPEED_MLP, seed=0)
+    shapes = [layer.linear.weight.shape for layer in model.layers]
+    assert shapes == [(128, 784)] + [(128, 128)] * 5 + [(10, 128)]
+    assert autograd.SHALLOWSPEED_BATCH == 128 and model.layers[0].linear.weight.data.dtype == np.float32
+    assert set(works) == {"hand", "minipar"}
+
+
+def test_mlp_ratios_are_medians_of_per_round_ratios():
+    times = {"hand": np.array([1.0, 2.0, 4.0]), "minipar": np.array([1.5, 2.0, 4.4]),
+             "torch": np.array([3.0, 1.0, 4.0])}
+    f = autograd.mlp_figures(times)
+    assert f["hand_ratio"] == pytest.approx(1.1)  # rounds 1.5, 1.0, 1.1: the median, not 2.0 / 2.0
+    assert f["torch_ratio"] == pytest.approx(1.1)  # rounds 0.5, 2.0, 1.1
+    assert f["minipar_s"] == 2.0
+
+
+def test_linear_products_are_the_models_linear_products():
+    pytest.importorskip("torch")
+    cfg = nn.GPTConfig(n_layer=2, dtype="float32")
+    model = nn.GPT(cfg, seed=0)
+    products = torch_gpt.LinearProducts(model, tokens=5)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert len(products.layers) == len(linears) == 2 * 6 + 1  # q, k, v, proj, fc, proj; and the head
+    for (x, w, g), linear in zip(products.layers, linears):
+        assert w is linear.weight.data and x.shape == (5, w.shape[1]) and g.shape == (5, w.shape[0])
+        assert x.dtype == g.dtype == np.float32
+    products.numpy()
+    products.torch()
+

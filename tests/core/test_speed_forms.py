@@ -3,10 +3,10 @@
 GELU's forward and backward, Softmax, LayerNorm and AdamW's update were rewritten in place (fewer
 temporaries), and GELU and AdamW run tile by tile over arrays larger than a tile (core/tiles.py); each
 must equal, bit for bit, the plain one-temporary-per-operation form below, in fp64 and fp32, on small
-arrays and on arrays of several tiles and a partial one. Linear folds its leading axes into one 2-D matrix product: that is its definition now, and
-it agrees with NumPy's batched product to rounding (not always bit for bit: see the test). The
-memory ledger's running device total must equal the sum of its current device bytes after any
-sequence of sets.
+arrays and on arrays of several tiles and a partial one. Linear folds its leading axes into one 2-D
+matrix product: that is its definition now, and it agrees with NumPy's batched product to rounding
+(not always bit for bit: see the test). The memory ledger's running device total must equal the sum
+of its current device bytes after any sequence of sets.
 """
 
 import math
@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from minipar.core import functional as F
-from minipar.core import optim
-from minipar.core import tiles
+from minipar.core import optim, tiles
 from minipar.core.autograd import Tensor
 from minipar.memory.ledger import CATEGORIES, TIERS, MemoryLedger
 
