@@ -267,6 +267,9 @@ def _backward_deferring_weights(function, ctx, g, inputs, deferred: list) -> tup
 
 
 def _topological_order(root: Tensor) -> list[Tensor]:
+    """root and the tensors made by an op that root depends on, each after every tensor it depends on.
+    Leaves other than root are left out: backward accumulates into a leaf as soon as it meets it, and
+    a model's parameters are most of a graph's inputs."""
     order, seen, stack = [], set(), [(root, False)]
     while stack:
         tensor, children_done = stack.pop()
@@ -279,7 +282,7 @@ def _topological_order(root: Tensor) -> list[Tensor]:
         stack.append((tensor, True))
         if tensor.node is not None:
             for parent in tensor.node[2]:
-                if isinstance(parent, Tensor) and id(parent) not in seen:
+                if isinstance(parent, Tensor) and parent.node is not None and id(parent) not in seen:
                     stack.append((parent, False))
     return order
 
