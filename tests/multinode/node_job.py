@@ -3,9 +3,10 @@
     mpiexec ... python -m mpi4py tests/multinode/node_job.py CONFIG_JSON OUT_JSON   (cluster.py starts it)
 
 Every rank trains the TrainConfig in CONFIG_JSON, step by step as `Trainer.run` would. Around each
-step all ranks meet (a barrier), and the first rank of each node reads the bytes and packets its node's
-interfaces have sent (/sys/class/net/*/statistics/tx_bytes, tx_packets, in its own namespace):
-the kernel's count of what crossed between nodes during the step. Rank 0 writes OUT_JSON: every
+step all ranks meet (a barrier), and between the barriers that end one step and start the next (while
+no rank can send) the first rank of each node reads the bytes and packets its node's interfaces have
+sent (/sys/class/net/*/statistics/tx_bytes, tx_packets, in its own namespace): the kernel's count of
+what crossed between nodes during the step. Rank 0 writes OUT_JSON: every
 rank's node and per-step ledger (its comm report), every node's per-step link bytes, the link bytes
 of the whole job, and the comparison with one process. The kernel's count is the oracle for the
 ledger's inter-node bytes.
@@ -45,12 +46,17 @@ def main(config_json: str, out: str) -> None:
     nodes = world.allgather(node)
     reads_link = nodes.index(node) == world.rank  # the node's first rank speaks for the node
     records, link_per_step = [], []
+    wait_for_everyone(world)
+    before = link_sent()
     for step in range(cfg.steps):
+        # Every rank waits here until the reader has read `before`: read after this barrier instead, a
+        # rank let go first could send its first bytes of the step before the reader had read, and
+        # they would fall in no step's window (seen under load: a step 1 KB short of its ledger).
         wait_for_everyone(world)
-        before = link_sent()
         records.append(trainer.step(step))
         wait_for_everyone(world)
         link_per_step.append(since(before))
+        before = link_sent()
     wait_for_everyone(world)  # no rank sends the next messages (below) before every node has read
     trainer.memory.close()
     full = trainer.full_state()
