@@ -47,10 +47,10 @@ def train_on(cfg: TrainConfig) -> dict:
 
 
 def deviation(run: dict, reference: dict) -> dict:
-    """Largest relative deviation of the losses, and of the weights (|w| floored at 1e-3, as in
-    train.compare_with_reference: a weight whose true gradient is zero holds only roundoff)."""
+    """Largest relative deviation of the losses, and of the weights (each tensor's largest error over
+    its largest magnitude, train.relative_deviation, as train.compare_with_reference judges them)."""
     losses = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(run["losses"], reference["losses"]))
-    weights = max(float(np.max(np.abs(run["state"][name] - ref) / np.maximum(np.abs(ref), 1e-3)))
+    weights = max(train.relative_deviation(run["state"][name], ref)
                   for name, ref in reference["state"].items() if ref.size)
     return {"loss": losses, "weight": weights}
 
