@@ -3,7 +3,8 @@
 The command line's front door, above every layer (bench included): it only dispatches. Bad input ends
 every rank with one line naming the problem and exit code 2, before any collective: every rank parses
 and validates the same arguments on its own, so no rank waits for another. Every command first keeps
-freed memory in the process (core/allocator.py: no page faults for each step's fresh activations).
+freed memory in the process (core/allocator.py: no page faults for each step's fresh activations) and
+takes the BLAS that MINIPAR_BLAS names (core/blas.py: NumPy's by default, or Intel's MKL).
 Lesson: lessons/00_overview.md.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import sys
 
 from minipar.bench import registry
+from minipar.core import blas
 from minipar.core.allocator import keep_freed_memory
 from minipar.course import command as course
 from minipar.plot import registry as plot_registry
@@ -37,4 +39,8 @@ def main(argv=None) -> int:
             return 0
         return fail("minipar", f"choose a command: {', '.join(COMMANDS)}")
     keep_freed_memory()
+    try:
+        blas.use_from_env()
+    except ValueError as why:  # every rank reads the same variable: all of them stop here, at once
+        return fail("minipar", str(why))
     return COMMANDS[argv[0]](argv[1:])

@@ -33,17 +33,18 @@ import numpy as np
 from minipar.bench import torch_gpt
 from minipar.bench.profile import MODELS
 from minipar.bench.timing import Progress, plus_minus, round_times, spread
+from minipar.core import blas, nn, optim
 from minipar.core import functional as F
-from minipar.core import nn, optim
 from minipar.trainer.tasks import AdditionTask
 
 
 def hand_written_mlp_step(weights, x, y):
-    """Forward and backward of Linear-GELU-...-Linear with a summed squared error, by hand."""
+    """Forward and backward of Linear-GELU-...-Linear with a summed squared error, by hand, its matrix
+    products through the BLAS minipar's Linear uses (core/blas.py: NumPy's `@` by default)."""
     activations, pre = [x], []
     h = x
     for i, (w, b) in enumerate(weights):
-        z = h @ w.T + b
+        z = blas.matmul(h, w.T) + b
         pre.append(z)
         h = F.gelu_forward(z) if i < len(weights) - 1 else z
         activations.append(h)
@@ -52,9 +53,9 @@ def hand_written_mlp_step(weights, x, y):
     for i in reversed(range(len(weights))):
         if i < len(weights) - 1:
             g = F.gelu_backward(pre[i], g)
-        grads.append((g.T @ activations[i], g.sum(axis=0)))
+        grads.append((blas.matmul(g.T, activations[i]), g.sum(axis=0)))
         if i:  # the data needs no gradient, and autograd does not compute one either
-            g = g @ weights[i][0]
+            g = blas.matmul(g, weights[i][0])
     return grads
 
 
@@ -140,17 +141,17 @@ def torch_figures(repeats: int, batch: int = 16) -> dict:
             theirs = torch_gpt.TorchGPTStep(mine.model, tokens, targets)
             products = torch_gpt.LinearProducts(mine.model, tokens.size)
             first_losses = (mine(), theirs())
-            times = round_times({"minipar": mine, "torch": theirs, "numpy_products": products.numpy,
+            times = round_times({"minipar": mine, "torch": theirs, "minipar_products": products.minipar,
                                  "torch_products": products.torch}, repeats)
             ratios = times["minipar"] / times["torch"]
-            rest = (times["minipar"] - times["numpy_products"]) / (times["torch"] - times["torch_products"])
+            rest = (times["minipar"] - times["minipar_products"]) / (times["torch"] - times["torch_products"])
             figures[f"{name} {dtype}"] = {
                 "d_model": cfg.d_model, "seq": cfg.block_size, "batch": batch,
                 "minipar_s": float(np.median(times["minipar"])), "torch_s": float(np.median(times["torch"])),
                 "ratio": float(np.median(ratios)),
                 "ratio_quartiles": [float(q) for q in np.percentile(ratios, [25, 75])],
-                "products_ratio": float(np.median(times["numpy_products"] / times["torch_products"])),
-                "products_share": float(np.median(times["numpy_products"] / times["minipar"])),
+                "products_ratio": float(np.median(times["minipar_products"] / times["torch_products"])),
+                "products_share": float(np.median(times["minipar_products"] / times["minipar"])),
                 "rest_ratio": float(np.median(rest)),
                 "first_loss_gap": abs(first_losses[0] - first_losses[1]) / abs(first_losses[1]),
             }
@@ -158,8 +159,9 @@ def torch_figures(repeats: int, batch: int = 16) -> dict:
 
 
 def print_torch_figures(figures: dict, repeats: int) -> None:
-    print(f"GPT training step (AdamW), minipar against PyTorch {torch_gpt.torch_version()} on "
-          f"{torch_gpt.torch_threads()} thread(s), median of {repeats} alternating rounds")
+    print(f"GPT training step (AdamW), minipar (BLAS: {blas.current()}) against PyTorch "
+          f"{torch_gpt.torch_version()} on {torch_gpt.torch_threads()} thread(s), median of {repeats} "
+          f"alternating rounds")
     print("  model                            minipar ms  PyTorch ms  ratio (quartiles)  products (share)  "
           "rest  first-loss gap")
     for name, f in figures.items():
@@ -168,8 +170,8 @@ def print_torch_figures(figures: dict, repeats: int) -> None:
         print(f"  {label:<32} {f['minipar_s'] * 1e3:10.2f}  {f['torch_s'] * 1e3:10.2f}  "
               f"{f['ratio']:5.2f} ({low:.2f}-{high:.2f})  {f['products_ratio']:8.2f} "
               f"({f['products_share']:.0%})  {f['rest_ratio']:4.2f}  {f['first_loss_gap']:.1e}")
-    print("  products: the step's Linear products alone, NumPy's BLAS over PyTorch's (the same rounds), and")
-    print("  their share of minipar's step; rest: the step without them, minipar over PyTorch")
+    print("  products: the step's Linear products alone, minipar's BLAS over PyTorch's (the same rounds),")
+    print("  and their share of minipar's step; rest: the step without them, minipar over PyTorch")
 
 
 def main(argv) -> int:

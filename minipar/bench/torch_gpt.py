@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 
-from minipar.core import nn, optim
+from minipar.core import blas, nn, optim
 
 
 def unavailable() -> str | None:
@@ -137,8 +137,9 @@ class TorchMLPStep:
 class LinearProducts:
     """The matrix products of `model`'s Linear layers in one training step, at its shapes, with nothing
     else: for each layer the forward x W^T and the two backward products g W and g^T x, over `tokens`
-    rows. `numpy()` runs them as minipar does (NumPy, its BLAS); `torch()` as PyTorch does. Timed beside
-    the two steps, they show how much of the gap is the BLAS library alone, which minipar cannot change."""
+    rows. `minipar()` runs them as minipar's Linear does (core/blas.py: NumPy's BLAS, or MKL with
+    MINIPAR_BLAS=mkl); `torch()` as PyTorch does. Timed beside the two steps, they show how much of the
+    gap is the BLAS library alone, which the engine itself cannot change."""
 
     def __init__(self, model: nn.Module, tokens: int, seed: int = 0):
         import numpy as np
@@ -154,9 +155,9 @@ class LinearProducts:
                 self.layers.append((x, w, g))
         self.torch_layers = [tuple(torch.from_numpy(a) for a in layer) for layer in self.layers]
 
-    def numpy(self) -> None:
+    def minipar(self) -> None:
         for x, w, g in self.layers:
-            x @ w.T, g @ w, g.T @ x
+            blas.matmul(x, w.T), blas.matmul(g, w), blas.matmul(g.T, x)
 
     def torch(self) -> None:
         for x, w, g in self.torch_layers:

@@ -301,8 +301,11 @@ class Context:
         if not self.recording:  # a forward without a graph (no_grad, a recomputed block's first pass)
             return  # must not show its arrays to the meter even for an instant: peaks are exact
         self.saved = arrays
-        self._saved_bytes = sum(a.nbytes for a in arrays if hasattr(a, "nbytes"))
-        activation_meter.add(self._saved_bytes)
+        nbytes = 0
+        for a in arrays:  # a plain loop, not a generator: this runs for every op of every step
+            nbytes += getattr(a, "nbytes", 0)
+        self._saved_bytes = nbytes
+        activation_meter.add(nbytes)
 
     def release(self):
         if self._saved_bytes:

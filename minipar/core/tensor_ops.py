@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from minipar.core import blas
 from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import xp_of
 
@@ -167,18 +168,18 @@ class Linear(Function):
     @staticmethod
     def forward(ctx, x, weight, bias=None):
         ctx.save_for_backward(x)
-        y = _rows(x) @ weight.T
+        y = blas.matmul(_rows(x), weight.T)
         if bias is not None:
             y += bias
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        return y if x.ndim == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved
         weight, bias = _data(ctx.inputs[1]), ctx.inputs[2]
         g2 = _rows(g)
-        gx = (g2 @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        gw = g2.T @ _rows(x) if ctx.needs_input_grad[1] else None
+        gx = blas.matmul(g2, weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        gw = blas.matmul(g2.T, _rows(x)) if ctx.needs_input_grad[1] else None
         gb = g2.sum(axis=0) if bias is not None and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 

@@ -32,7 +32,7 @@ def tile_slices(size: int, itemsize: int) -> list[slice]:
 
 def _tiled(x, *more) -> bool:
     """Whether to tile: x is a NumPy array over a tile, and every array is contiguous and of its shape."""
-    return (xp_of(x) is numpy and x.nbytes > CACHE_TILE_BYTES
+    return (x.nbytes > CACHE_TILE_BYTES and xp_of(x) is numpy  # the size first: the cheap, common no
             and all(a.shape == x.shape and a.flags.c_contiguous for a in (x, *more)))
 
 
