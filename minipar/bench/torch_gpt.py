@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import math
 
+import numpy as np
+
 from minipar.core import blas, nn, optim
 
 
@@ -142,7 +144,6 @@ class LinearProducts:
     gap is the BLAS library alone, which the engine itself cannot change."""
 
     def __init__(self, model: nn.Module, tokens: int, seed: int = 0):
-        import numpy as np
         import torch
 
         rng = np.random.default_rng(seed)

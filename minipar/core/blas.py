@@ -34,7 +34,8 @@ ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 # NumPy's BLAS
 _gemm: dict = {}
 # A call through ctypes costs about 4 us; below this many multiply-adds (a 128 x 128 x 128 product, about
-# 25 us on one core) MKL saves less than that, and NumPy's `@` multiplies instead (an empty product too)
+# 25 us on one core) MKL saves less than that, and NumPy's `@` multiplies instead. At least 1, so that
+# an empty product never reaches MKL
 MKL_LEAST_MULTIPLY_ADDS = 2**21
 
 
@@ -87,8 +88,7 @@ def matmul(a, b):
         return a @ b
     layout_a, layout_b = _layout(a), _layout(b)
     (m, k), n = a.shape, b.shape[-1]
-    work = m * n * k
-    if layout_a is None or layout_b is None or work == 0 or work < MKL_LEAST_MULTIPLY_ADDS:
+    if layout_a is None or layout_b is None or m * n * k < MKL_LEAST_MULTIPLY_ADDS:
         return a @ b
     function, one, zero = gemm
     out = numpy.empty((m, n), a.dtype)
