@@ -74,8 +74,11 @@ def mlp_works(cfg: nn.MLPConfig, batch: int, with_torch: bool) -> dict:
     y = rng.standard_normal((batch, cfg.d_out)).astype(cfg.dtype)
     weights = [(layer.linear.weight.data, layer.linear.bias.data) for layer in model.layers]
 
+    parameters = model.parameters()
+
     def minipar_step():
-        model.zero_grad()
+        for p in parameters:  # as an optimizer's zero_grad and the PyTorch step do: a list, no tree walk
+            p.grad = None
         F.mse_loss(model(x), y, "sum").backward()
 
     works = {"hand": lambda: hand_written_mlp_step(weights, x, y), "minipar": minipar_step}

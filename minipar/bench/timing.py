@@ -9,7 +9,11 @@ One way of timing for all of them, so that their figures can be set side by side
   rounds    two or more things compared are timed in alternation, one of each per round, so that all
             of them see the same load from moment to moment; a ratio is the median of the per-round
             ratios, far steadier on a busy machine than the quotient of two medians taken one after
-            the other.
+            the other. Each round takes its works in a new order (shuffled, seeded): a work leaves
+            its arrays in the cache and its freed blocks in malloc for the next one, and a work that
+            always followed the same other one would carry that in its figures (lesson 01 measures
+            minipar's step of ShallowSpeed's MLP 1.4% slower right after the hand-written step than
+            right after itself).
   ranks     each process of an mpiexec run gets one BLAS thread: a rank stands for one device, and
             ranks sharing cores with their own thread pools would measure oversubscription.
   spread    a table shows a median with half the interquartile range of what it is the median of
@@ -31,6 +35,8 @@ from typing import Callable
 
 import numpy as np
 
+ROUND_ORDER_SEED = 0  # the shuffled orders of round_times' rounds
+
 
 def nothing() -> None:
     """The default `before` and `sync`: a CPU's work is done when its function returns."""
@@ -38,15 +44,19 @@ def nothing() -> None:
 
 def round_times(works: dict[str, Callable], repeats: int, sync: Callable = nothing,
                 before: Callable = nothing) -> dict[str, np.ndarray]:
-    """Seconds of each of `works` in each of `repeats` rounds, the works taking turns within a round,
-    after one untimed warm-up of each. `sync()` waits for work queued on a device (a GPU) and is timed
-    with it; `before()` runs untimed before each run (a barrier, so that all ranks start together)."""
+    """Seconds of each of `works` in each of `repeats` rounds, the works taking turns within a round
+    in an order shuffled each round (the same orders on every rank and in every run: a seeded
+    generator), after one untimed warm-up of each. `sync()` waits for work queued on a device (a GPU)
+    and is timed with it; `before()` runs untimed before each run (a barrier, so that all ranks start
+    together)."""
     for work in works.values():
         work()
         sync()
-    times = {name: [] for name in works}
+    times: dict[str, list[float]] = {name: [] for name in works}
+    names, orders = list(works), np.random.default_rng(ROUND_ORDER_SEED)
     for _ in range(repeats):
-        for name, work in works.items():
+        for i in orders.permutation(len(names)):
+            name, work = names[i], works[names[i]]
             before()
             started = time.perf_counter()
             work()

@@ -42,8 +42,27 @@ def clock(monkeypatch):
 def test_the_works_take_turns_after_one_warm_up_of_each_which_is_not_counted(clock):
     works = {"a": clock.work("a", [100, 1, 2, 3]), "b": clock.work("b", [100, 4, 5, 6])}
     times = timing.round_times(works, repeats=3)
-    assert clock.calls == ["a", "b"] + ["a", "b"] * 3  # not a, a, a, b, b, b: both see the same load
+    rounds = [clock.calls[i:i + 2] for i in range(2, 8, 2)]
+    assert clock.calls[:2] == ["a", "b"]  # the warm-ups, then one of each per round: both see the same load
+    assert all(sorted(pair) == ["a", "b"] for pair in rounds)  # not a, a, a, b, b, b
     assert times["a"].tolist() == [1, 2, 3] and times["b"].tolist() == [4, 5, 6]
+
+
+def test_each_work_follows_each_other_about_equally_often(clock):
+    """A work in a fixed place of the round would always follow the same other work, and inherit its
+    cache and its freed memory: the orders are shuffled, the same ones in every run."""
+    names = "abc"
+    works = {name: clock.work(name, iter(lambda: 1, None)) for name in names}
+    timing.round_times(works, repeats=300)
+    calls = clock.calls[3:]
+    followed = {(before, after): 0 for before in names for after in names if before != after}
+    for before, after in zip(calls, calls[1:]):
+        if before != after:
+            followed[before, after] += 1
+    assert min(followed.values()) > 0.8 * max(followed.values())  # 300 rounds: about 200 of each
+    clock.calls.clear()
+    timing.round_times(works, repeats=300)
+    assert clock.calls[3:] == calls  # seeded: every rank and every run takes the same orders
 
 
 def test_sync_is_timed_with_the_work_and_before_is_not(clock):
