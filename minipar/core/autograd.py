@@ -128,9 +128,9 @@ class Tensor:
         """
         if grad is None:
             grad = xp_of(self.data).ones_like(self.data)
-        grads = {id(self): grad}
+        grads = {self: grad}  # keyed by the tensors themselves: a Tensor hashes by identity
         for tensor in reversed(_topological_order(self)):
-            g = grads.pop(id(tensor), None)
+            g = grads.pop(tensor, None)
             if g is None:
                 continue
             if tensor.node is None:
@@ -150,10 +150,10 @@ class Tensor:
                 if parent.node is None:  # a leaf: accumulate now, as PyTorch's AccumulateGrad does, so
                     _accumulate(parent, pg)  # later hooks see it
                     continue
-                if id(parent) in grads:  # used by several ops: the gradients add, an op like any other
-                    pg = grads[id(parent)] + pg
+                if parent in grads:  # used by several ops: the gradients add, an op like any other
+                    pg = grads[parent] + pg
                     pg = _output_cast(pg) if _output_cast is not None else pg
-                grads[id(parent)] = pg
+                grads[parent] = pg
 
     # Operators call the differentiable functions of minipar.core.functional through `_operators`
     # (functional registers them: it builds on this module, so this module cannot import it).
@@ -276,13 +276,13 @@ def _topological_order(root: Tensor) -> list[Tensor]:
         if children_done:
             order.append(tensor)
             continue
-        if id(tensor) in seen:
+        if tensor in seen:
             continue
-        seen.add(id(tensor))
+        seen.add(tensor)
         stack.append((tensor, True))
         if tensor.node is not None:
             for parent in tensor.node[2]:
-                if isinstance(parent, Tensor) and parent.node is not None and id(parent) not in seen:
+                if isinstance(parent, Tensor) and parent.node is not None and parent not in seen:
                     stack.append((parent, False))
     return order
 

@@ -160,6 +160,8 @@ def set_backend(name: str, local_rank: int | None = None, cuda_aware: bool | Non
 
 def xp_of(array) -> ModuleType:
     """The array module (numpy or cupy) that array belongs to, like cupy.get_array_module."""
+    if type(array) is numpy.ndarray:  # the common case, asked for by most ops of every step
+        return numpy
     if type(array).__module__.split(".")[0] == "cupy":
         import cupy
 

@@ -85,6 +85,7 @@ class Module:
     _forward_hooks: HookList
     _backward_pre_hooks: HookList
     _backward_hooks: HookList
+    _ever_hooked = False  # set by the first register_*_hook: the hook lists are looked at from then on
     # Each subclass defines it with its own signature (a ModuleList has none): torch.nn.Module's declaration.
     forward: Callable[..., object]
 
@@ -109,8 +110,7 @@ class Module:
     def __call__(self, *args, **kwargs):
         """`forward`, with the hooks around it: forward pre-hooks, the input's backward hook, forward,
         forward hooks, the output's backward hook (PyTorch's order)."""
-        if not (self._forward_pre_hooks or self._backward_hooks or self._forward_hooks
-                or self._backward_pre_hooks):  # no hooks: the common case, one check
+        if not self._ever_hooked:  # the common case, one check: straight to forward
             return self.forward(*args, **kwargs)
         for hook in self._forward_pre_hooks:
             replaced = hook(self, args)
@@ -136,20 +136,24 @@ class Module:
         return args
 
     # ---- hooks: each returns a RemovableHandle; hooks of one kind run in registration order ----
+    def _hook_list(self, name: str) -> HookList:
+        object.__setattr__(self, "_ever_hooked", True)
+        return getattr(self, name)
+
     def register_forward_pre_hook(self, hook) -> RemovableHandle:
         """`hook(module, args)` before every forward; a non-None result replaces the positional
         arguments (a tuple, or a single value). Keyword arguments are not shown to it."""
-        return self._forward_pre_hooks.add(hook)
+        return self._hook_list('_forward_pre_hooks').add(hook)
 
     def register_forward_hook(self, hook) -> RemovableHandle:
         """`hook(module, args, output)` after every forward; a non-None result replaces the output."""
-        return self._forward_hooks.add(hook)
+        return self._hook_list('_forward_hooks').add(hook)
 
     def register_full_backward_pre_hook(self, hook) -> RemovableHandle:
         """`hook(module)` when the gradient reaches the module's output, before any of its backward
         operations run (none of its parameters has this backward's gradient yet). Unlike PyTorch's,
         it is not shown the gradient and cannot replace it. Only a Tensor output is hooked."""
-        return self._backward_pre_hooks.add(hook)
+        return self._hook_list('_backward_pre_hooks').add(hook)
 
     def register_full_backward_hook(self, hook) -> RemovableHandle:
         """`hook(module)` once backward has gone through all of the module's operations: when the
@@ -157,7 +161,7 @@ class Module:
         leaf's gradient at once, so every parameter used on that input has its gradient by then).
         Unlike PyTorch's, it is shown no gradients. It does NOT fire when no input requires grad
         (token ids into an embedding): whoever relies on it must catch that case (ZeRO's step does)."""
-        return self._backward_hooks.add(hook)
+        return self._hook_list('_backward_hooks').add(hook)
 
     def named_parameters(self, prefix: str = ""):
         for name, p in self._params.items():

@@ -261,8 +261,8 @@ class MLPNet(Module):
         return [(f"layers.{i}", layer) for i, layer in enumerate(self.layers)]
 
     def forward(self, x):
-        for _, unit in self.units():
-            x = unit(x)
+        for layer in self.layers:  # its units, without their names
+            x = layer(x)
         return x
 
     # An output counts as right within this distance of its target: the targets, tanh(2 x W), lie in
