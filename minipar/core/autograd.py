@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from operator import attrgetter
 
 from minipar.core.backend import Array, xp_of
 from minipar.core.hooks import HookList, RemovableHandle
@@ -40,7 +41,8 @@ class ActivationMeter:
 
     def add(self, nbytes: int):
         self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        if self.current > self.peak:
+            self.peak = self.current
         self.listeners.call_all(self.current)
 
     def release(self, nbytes: int):
@@ -100,10 +102,11 @@ class Tensor:
         # (function class, ctx, the arguments it was applied to) for non-leaf tensors; None for leaves
         self.node: tuple[type[Function], Context, tuple] | None = None
 
-    shape = property(lambda self: self.data.shape)
-    dtype = property(lambda self: self.data.dtype)
-    ndim = property(lambda self: self.data.ndim)
-    size = property(lambda self: self.data.size)
+    # the array's, read by attrgetter (C, no Python call: ops ask for them on every step)
+    shape = property(attrgetter("data.shape"))
+    dtype = property(attrgetter("data.dtype"))
+    ndim = property(attrgetter("data.ndim"))
+    size = property(attrgetter("data.size"))
 
     def __repr__(self):
         return f"Tensor(shape={self.shape}, dtype={self.dtype}, requires_grad={self.requires_grad})"
@@ -142,8 +145,9 @@ class Tensor:
                 input_grads = _run_backward(function, ctx, g)
             else:
                 input_grads = _backward_deferring_weights(function, ctx, g, inputs, defer_weight_grads)
-            for parent, pg in zip(inputs, input_grads):
-                if pg is None or not isinstance(parent, Tensor) or not parent.requires_grad:
+            # needed: the argument was a Tensor that required grad when the op ran (apply's record)
+            for parent, pg, needed in zip(inputs, input_grads, ctx.needs_input_grad):
+                if pg is None or not needed:
                     continue
                 if _output_cast is not None:
                     pg = _output_cast(pg)
@@ -288,14 +292,16 @@ def _topological_order(root: Tensor) -> list[Tensor]:
 
 
 class Context:
-    """What forward leaves for backward. Saved arrays are counted as activation memory."""
+    """What forward leaves for backward. Saved arrays are counted as activation memory.
 
-    def __init__(self):
-        self.inputs: tuple = ()  # the arguments the Function was applied to (Tensors and others)
-        self.saved: tuple = ()
-        self._saved_bytes = 0
-        self.needs_input_grad: tuple[bool, ...] = ()
-        self.recording = True  # False when no graph is recorded: then nothing saved is kept or counted
+    Its fields start as these class attributes (all immutable), with no `__init__` to run: one Python
+    call less for every op of every step."""
+
+    inputs: tuple = ()  # the arguments the Function was applied to (Tensors and others)
+    saved: tuple = ()
+    _saved_bytes = 0
+    needs_input_grad: tuple[bool, ...] = ()
+    recording = True  # False when no graph is recorded: then nothing saved is kept or counted
 
     def save_for_backward(self, *arrays):
         if not self.recording:  # a forward without a graph (no_grad, a recomputed block's first pass)

@@ -58,7 +58,8 @@ class Sub(Function):
 
     @staticmethod
     def backward(ctx, g):
-        return unbroadcast(g, ctx.shapes[0]), unbroadcast(-g, ctx.shapes[1])
+        gb = unbroadcast(-g, ctx.shapes[1]) if ctx.needs_input_grad[1] else None  # a target needs none
+        return unbroadcast(g, ctx.shapes[0]), gb
 
 
 class Mul(Function):
@@ -185,18 +186,19 @@ class Linear(Function):
 
 
 def _rows(a):
-    """a as a 2-D matrix of rows: its leading axes folded into one."""
-    return a.reshape(-1, a.shape[-1])
+    """a as a 2-D matrix of rows: its leading axes folded into one (a 2-D array as it is)."""
+    return a if a.ndim == 2 else a.reshape(-1, a.shape[-1])
 
 
 def same_dtype(op: str, *operands) -> None:
     """A matrix product of two dtypes is refused, as PyTorch refuses it: NumPy would promote the whole
     product (and its gradients) to the wider type in silence, doubling the bytes of an fp32 model fed
     float64 data. Elementwise ops promote, as in PyTorch."""
-    dtypes = [getattr(x, "dtype", None) for x in operands if x is not None]
-    if len(set(dtypes)) > 1:
-        named = " and ".join(map(str, dtypes))
-        raise TypeError(f"{op}: expected both operands to have the same dtype, got {named}")
+    first = getattr(operands[0], "dtype", None)
+    for x in operands[1:]:  # a plain loop, no generator: this runs for every product of every step
+        if x is not None and getattr(x, "dtype", None) != first:
+            named = " and ".join(str(getattr(y, "dtype", None)) for y in operands if y is not None)
+            raise TypeError(f"{op}: expected both operands to have the same dtype, got {named}")
 
 
 def matmul(a, b):
@@ -218,7 +220,12 @@ def _expand_to(g, shape, axis, keepdims):
         axes = tuple(ax % len(shape) for ax in axes)
         for ax in sorted(axes):
             g = xp_of(g).expand_dims(g, ax)
-    return xp_of(g).broadcast_to(g, shape)
+    xp = xp_of(g)
+    if g.ndim == 0:  # a full reduction (a loss's): filling an array costs less Python than broadcast_to
+        out = xp.empty(shape, g.dtype)
+        out[...] = g  # an assignment, so that a device's 0-d array never passes through the host
+        return out
+    return xp.broadcast_to(g, shape)
 
 
 class Sum(Function):

@@ -412,6 +412,25 @@ def test_float32_outputs_and_gradients_stay_float32(name):
     assert out.dtype == np.float32 and x.grad.dtype == np.float32
 
 
+@pytest.mark.parametrize("wider", ["input", "weight", "bias"])
+def test_a_product_of_two_dtypes_is_refused_naming_both(wider):
+    """As PyTorch refuses it: NumPy would promote the product and its gradients to float64 in silence.
+    Any one operand of three may be the wider one, the bias too; a missing bias is no dtype."""
+    dtypes = {name: np.float64 if name == wider else np.float32 for name in ("input", "weight", "bias")}
+    x = Tensor(np.ones((3, 4), dtypes["input"]), requires_grad=True)
+    w = Tensor(np.ones((2, 4), dtypes["weight"]), requires_grad=True)
+    b = Tensor(np.ones(2, dtypes["bias"]), requires_grad=True)
+    with pytest.raises(TypeError, match="linear: expected both operands to have the same dtype") as refused:
+        F.linear(x, w, b)
+    assert "float32" in str(refused.value) and "float64" in str(refused.value)
+    if wider != "bias":
+        with pytest.raises(TypeError, match="float64"):
+            F.linear(x, w)
+        with pytest.raises(TypeError, match="matmul: expected both operands to have the same dtype"):
+            F.matmul(x, Tensor(np.ones((4, 2), dtypes["weight"] if wider == "input" else np.float64)))
+    assert F.linear(x.data.astype(np.float32), w.data.astype(np.float32)).dtype == np.float32
+
+
 # ---- the checker itself can fail -------------------------------------------------------------------
 
 
