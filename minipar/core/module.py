@@ -143,17 +143,17 @@ class Module:
     def register_forward_pre_hook(self, hook) -> RemovableHandle:
         """`hook(module, args)` before every forward; a non-None result replaces the positional
         arguments (a tuple, or a single value). Keyword arguments are not shown to it."""
-        return self._hook_list('_forward_pre_hooks').add(hook)
+        return self._hook_list("_forward_pre_hooks").add(hook)
 
     def register_forward_hook(self, hook) -> RemovableHandle:
         """`hook(module, args, output)` after every forward; a non-None result replaces the output."""
-        return self._hook_list('_forward_hooks').add(hook)
+        return self._hook_list("_forward_hooks").add(hook)
 
     def register_full_backward_pre_hook(self, hook) -> RemovableHandle:
         """`hook(module)` when the gradient reaches the module's output, before any of its backward
         operations run (none of its parameters has this backward's gradient yet). Unlike PyTorch's,
         it is not shown the gradient and cannot replace it. Only a Tensor output is hooked."""
-        return self._hook_list('_backward_pre_hooks').add(hook)
+        return self._hook_list("_backward_pre_hooks").add(hook)
 
     def register_full_backward_hook(self, hook) -> RemovableHandle:
         """`hook(module)` once backward has gone through all of the module's operations: when the
@@ -161,7 +161,7 @@ class Module:
         leaf's gradient at once, so every parameter used on that input has its gradient by then).
         Unlike PyTorch's, it is shown no gradients. It does NOT fire when no input requires grad
         (token ids into an embedding): whoever relies on it must catch that case (ZeRO's step does)."""
-        return self._hook_list('_backward_hooks').add(hook)
+        return self._hook_list("_backward_hooks").add(hook)
 
     def named_parameters(self, prefix: str = ""):
         for name, p in self._params.items():
