@@ -358,7 +358,7 @@ class Function:
         out = cls.forward(ctx, *arrays)
         if _output_cast is not None:
             out = _output_cast(out)
-        result = Tensor(out, requires_grad=needs_grad)
+        result = Tensor(out, needs_grad)
         if needs_grad:
             result.node = (cls, ctx, args)
         else:

@@ -179,7 +179,7 @@ class Linear(Function):
         (x,) = ctx.saved
         weight, bias = _data(ctx.inputs[1]), ctx.inputs[2]
         g2 = _rows(g)
-        gx = blas.matmul(g2, weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        gx = _unrows(blas.matmul(g2, weight), x) if ctx.needs_input_grad[0] else None
         gw = blas.matmul(g2.T, _rows(x)) if ctx.needs_input_grad[1] else None
         gb = g2.sum(axis=0) if bias is not None and ctx.needs_input_grad[2] else None
         return gx, gw, gb
@@ -188,6 +188,11 @@ class Linear(Function):
 def _rows(a):
     """a as a 2-D matrix of rows: its leading axes folded into one (a 2-D array as it is)."""
     return a if a.ndim == 2 else a.reshape(-1, a.shape[-1])
+
+
+def _unrows(rows, like):
+    """rows (2-D) back in the shape of `like`, whose leading axes _rows folded (a 2-D one as it is)."""
+    return rows if like.ndim == 2 else rows.reshape(like.shape)
 
 
 def same_dtype(op: str, *operands) -> None:
