@@ -40,8 +40,8 @@ def _tiled(x, *more) -> bool:
 def in_cache_tiles(rule, x, *more):
     """rule(x, *more), an elementwise rule returning a new array of x's dtype, run tile by tile when
     `_tiled` says so (and the arrays share x's dtype); otherwise one call on the whole arrays."""
-    if x.nbytes <= CACHE_TILE_BYTES or not _tiled(x, *more) or any(a.dtype != x.dtype for a in more):
-        return rule(x, *more)  # the size first, here: a small model's arrays are all one tile
+    if not _tiled(x, *more) or any(a.dtype != x.dtype for a in more):
+        return rule(x, *more)
     out = numpy.empty_like(x)
     flat_out, flat_in = out.reshape(-1), [a.reshape(-1) for a in (x, *more)]
     for s in tile_slices(x.size, x.itemsize):

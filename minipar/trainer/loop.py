@@ -236,9 +236,7 @@ def relative_deviation(value, reference) -> float:
 
 def compare_with_reference(cfg: TrainConfig, records: list[dict], full: dict) -> dict:
     losses, ref_state = reference_run(cfg)
-    # a resumed run's records start at its checkpoint's step
-    loss_dev = max((abs(r["loss"] - losses[r["step"]]) / max(abs(losses[r["step"]]), 1e-30)
-                    for r in records), default=0.0)
+    loss_dev = reference.loss_deviation(records, losses, cfg.steps)  # every step the run recorded
     weight_dev = max(relative_deviation(full[name], ref) for name, (_, ref) in ref_state.items())
     return {"max_rel_loss_deviation": loss_dev, "max_rel_weight_deviation": weight_dev}
 

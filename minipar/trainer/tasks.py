@@ -66,7 +66,6 @@ class AdditionTask:
         return digit_out & (last_sign >= 0) & (sign == ALPHABET.index("=")) & \
             (first_newline[:, None] < last_sign)
 
-
     def decoded_problems(self, inputs, targets, predicted) -> list[str]:
         """"123+456=579, predicted 579" for each problem whose answer the window shows whole, from the
         predicted token at each answer position (given the true tokens before it). The sums are
