@@ -43,10 +43,23 @@ def test_pytorch_computes_the_same_mlp_gradients():
         np.testing.assert_allclose(b.grad.numpy(), gb, rtol=1e-9, atol=1e-12)
 
 
-def test_the_shallowspeed_mlp_is_the_shape_of_its_train_py():
+def test_the_shallowspeed_mlp_is_the_shape_of_its_train_py(monkeypatch):
     # github.com/siboehm/ShallowSpeed train.py: layer_sizes = [784, 128, 127, 126, 125, 124, 123, 10],
     # GLOBAL_BATCH_SIZE = 128, float32 data: seven Linear layers, the hidden widths made one (128)
     works = autograd.mlp_works(autograd.SHALLOWSPEED_MLP, autograd.SHALLOWSPEED_BATCH, with_torch=False)
+    seen = {}  # what the two works really compute on
+    hand, loss = autograd.hand_written_mlp_step, autograd.F.mse_loss
+    monkeypatch.setattr(autograd, "hand_written_mlp_step",
+                        lambda weights, x, y: seen.update(hand=(weights, x, y)) or hand(weights, x, y))
+    monkeypatch.setattr(autograd.F, "mse_loss",
+                        lambda prediction, y, reduction: seen.update(minipar=prediction) or
+                        loss(prediction, y, reduction))
+    works["hand"]()
+    works["minipar"]()
+    weights, x, y = seen["hand"]
+    assert [w.shape for w, _ in weights] == [(128, 784)] + [(128, 128)] * 5 + [(10, 128)]
+    assert x.shape == (128, 784) and y.shape == (128, 10) and x.dtype == y.dtype == np.float32
+    assert seen["minipar"].shape == (128, 10) and seen["minipar"].dtype == np.float32
     model = nn.MLPNet(autograd.SHALLOWSPEED_MLP, seed=0)
     shapes = [layer.linear.weight.shape for layer in model.layers]
     assert shapes == [(128, 784)] + [(128, 128)] * 5 + [(10, 128)]

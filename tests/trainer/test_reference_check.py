@@ -29,6 +29,10 @@ def test_tolerances_are_the_growth_factor_times_the_unit_roundoff():
     for fmt, roundoff in u.items():
         assert reference.TOLERANCE[fmt] == pytest.approx(reference.GROWTH[fmt] * roundoff, rel=1e-15), fmt
     assert reference.TOLERANCE["fp64"] == 1e-9  # DESIGN.md's correctness contract
+    # the growth factors written out, as reference.py derives them: 4 per step over 20 steps for fp32,
+    # 8 for the 16-bit formats (a rounding flip does not pile up)
+    assert reference.TOLERANCE["fp32"] == pytest.approx(80 * 2.0**-24, rel=1e-15)  # 4.77e-6
+    assert reference.TOLERANCE["bf16"] == 0.03125 and reference.TOLERANCE["fp16"] == 0.00390625
 
 
 def test_weights_are_compared_as_one_vector_relative_to_its_norm():
