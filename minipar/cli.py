@@ -1,4 +1,4 @@
-"""`python -m minipar train | plan | schedule | simulate | bench | course` (or the script `minipar`).
+"""`python -m minipar train | plan | schedule | simulate | bench | course | plot` (or the script `minipar`).
 
 The command line's front door, above every layer (bench included): it only dispatches. Bad input ends
 every rank with one line naming the problem and exit code 2, before any collective: every rank parses

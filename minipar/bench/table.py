@@ -1,6 +1,7 @@
 """The benchmarks' tables: a header line and one line per row, every column right-aligned to its
 widest cell, two spaces apart, so that figures of one kind line up digit under digit.
-Used by dp.py, tp.py, pp.py, layouts.py and memory.py; the lessons quote their output."""
+Used by the benches that print tables (dp, tp, pp, layouts, memory, context, tracer, recompute, zero3);
+the lessons quote their output."""
 
 from __future__ import annotations
 

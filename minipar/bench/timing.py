@@ -71,19 +71,6 @@ def median_seconds(work: Callable, repeats: int, sync: Callable = nothing,
     return float(np.median(round_times({"work": work}, repeats, sync, before)["work"]))
 
 
-def alternating_medians(works: dict[str, Callable], repeats: int) -> dict[str, float]:
-    """Median seconds of each of `works`, timed in alternating rounds (see round_times)."""
-    return {name: float(np.median(seconds)) for name, seconds in round_times(works, repeats).items()}
-
-
-def paired_times(first: Callable, second: Callable, repeats: int) -> tuple[float, float, float]:
-    """Median times of two functions run in alternation, and the median of their per-round ratios
-    second / first."""
-    times = round_times({"first": first, "second": second}, repeats)
-    a, b = times["first"], times["second"]
-    return float(np.median(a)), float(np.median(b)), float(np.median(b / a))
-
-
 def median(items, key: Callable = lambda item: item) -> float:
     """The median of key(item) over items: of one figure across the records of a training log."""
     return float(np.median([key(item) for item in items]))

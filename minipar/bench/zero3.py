@@ -4,7 +4,7 @@ allocator has to do with it.
 Runs `minipar train` at --dp 2 (default GPT, batch 32) four ways: DDP and ZeRO-3, each with overlap
 (bucket all-reduces from the backward hooks; prefetched gathers) and with --no-overlap, taking turns
 in every round (timing.py: alternating rounds, medians after the warm-up steps). Each way runs twice
-per round: as `minipar train` runs (freed host memory kept by malloc for reuse, core/backend.py) and
+per round: as `minipar train` runs (freed host memory kept by malloc for reuse, core/allocator.py) and
 under MINIPAR_SYSTEM_MALLOC=1 (glibc's defaults: a free top of the heap goes back to the system, and
 its pages are faulted in again at their next use). A row shows rank 0's median tokens/s and
 comm_wait_s, its speed against DDP's (the median over rounds of that round's ratio) and the minor
@@ -49,22 +49,25 @@ def zero3_figures(dp: int, batch_size: int, steps: int, warmup: int, rounds: int
     """{allocator: {way: {tokens_per_s, comm_wait_ms, vs_ddp, faults_per_step}}} from `rounds`
     alternating rounds."""
     train = ["--dp", str(dp), "--batch-size", str(batch_size)]
-    log = Path(tempfile.mkdtemp()) / "zero3.jsonl"
     progress = Progress("zero3", (rounds + 1) * len(WAYS) * len(ALLOCATORS))
     kept = {(allocator, way): [] for allocator in ALLOCATORS for way in WAYS}  # every round's records
     faults = {key: [] for key in kept}  # every round's faults per step and rank
     start_up = {}  # the faults of a run of the warm-up steps alone: start-up, imports, first steps
-    for allocator, env in ALLOCATORS.items():
-        for way, extra in WAYS.items():
-            progress(f"warm-up steps alone {way} ({allocator})")
-            _, start_up[allocator, way] = faulting_run(dp, [*train, "--steps", str(warmup), *extra], log, env)
-    for round_ in range(rounds):
-        for way, extra in WAYS.items():
-            for allocator, env in ALLOCATORS.items():
-                progress(f"round {round_ + 1} {way} ({allocator})")
-                records, faulted = faulting_run(dp, [*train, "--steps", str(steps), *extra], log, env)
-                kept[allocator, way].append(records[warmup:])
-                faults[allocator, way].append((faulted - start_up[allocator, way]) / ((steps - warmup) * dp))
+    with tempfile.TemporaryDirectory() as folder:  # the runs' log, removed with it
+        log = Path(folder) / "zero3.jsonl"
+        for allocator, env in ALLOCATORS.items():
+            for way, extra in WAYS.items():
+                progress(f"warm-up steps alone {way} ({allocator})")
+                warm_up = [*train, "--steps", str(warmup), *extra]
+                _, start_up[allocator, way] = faulting_run(dp, warm_up, log, env)
+        for round_ in range(rounds):
+            for way, extra in WAYS.items():
+                for allocator, env in ALLOCATORS.items():
+                    progress(f"round {round_ + 1} {way} ({allocator})")
+                    records, faulted = faulting_run(dp, [*train, "--steps", str(steps), *extra], log, env)
+                    kept[allocator, way].append(records[warmup:])
+                    per_step_and_rank = (faulted - start_up[allocator, way]) / ((steps - warmup) * dp)
+                    faults[allocator, way].append(per_step_and_rank)
     figures: dict = {}
     for (allocator, way), per_round in kept.items():
         speeds = [median(records, lambda r: r["tokens_per_s"]) for records in per_round]

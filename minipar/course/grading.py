@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from minipar.bench import timing
 from minipar.course.exercises import Check, Exercise
 from minipar.course.workspace import ROOT
 
@@ -41,10 +42,10 @@ class Outcome:
 
 def _environment(workspace: Path) -> dict[str, str]:
     path = [str(workspace)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "MINIPAR_COURSE_WORKSPACE": str(workspace),
-            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            "MPIEXEC_TIMEOUT": str(TIMEOUT_S), "MINIPAR_TEST_GRACE_S": "10",
-            "COLUMNS": "400"}  # wide enough that pytest keeps the reason on its FAILED line
+    return timing.mpi_environment({
+        "PYTHONPATH": os.pathsep.join(path), "MINIPAR_COURSE_WORKSPACE": str(workspace),
+        "MPIEXEC_TIMEOUT": str(TIMEOUT_S), "MINIPAR_TEST_GRACE_S": "10",
+        "COLUMNS": "400"})  # wide enough that pytest keeps the reason on its FAILED line
 
 
 def _command(check: Check, ranks: int, reference: Path) -> list[str]:
@@ -53,7 +54,7 @@ def _command(check: Check, ranks: int, reference: Path) -> list[str]:
               str(reference / check.node)]
     if ranks == 1:
         return pytest
-    return [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), *pytest]
+    return [timing.mpiexec(), "-n", str(ranks), *pytest]
 
 
 def _verdict(returncode: int, output: str) -> tuple[bool, str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from minipar.course import grading, workspace
 from minipar.course.exercises import BY_ID, EXERCISES, Exercise
+from minipar.trainer.arguments import fail
 
 
 def selftest(exercise: Exercise) -> list[str]:
@@ -64,8 +65,7 @@ def main(argv: list[str]) -> int:
         return within_lessons()
     unknown = [i for i in argv if i not in BY_ID]
     if unknown:
-        sys.stderr.write(f"minipar course selftest: error: no exercise {unknown[0]}\n")
-        return 2
+        return fail("minipar course selftest", f"no exercise {unknown[0]}")
     chosen = [BY_ID[i] for i in argv] if argv else list(EXERCISES)
     failures = 0
     for exercise in chosen:

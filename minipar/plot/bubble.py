@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minipar.parallel.pipeline import bubble_formula
 from minipar.parallel.schedules import bubble_fraction, build_schedule, simulate
 from minipar.plot import canvas
 from minipar.plot.gantt import pipeline_records
@@ -30,11 +31,6 @@ def add_arguments(p) -> None:
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
     p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--bench-json", type=Path, default=None, help="the output of `bench pp --json`")
-
-
-def formula(stages: int, microbatches: int) -> Fraction:
-    """GPipe's bubble: (K-1)/(M+K-1)."""
-    return Fraction(stages - 1, microbatches + stages - 1)
 
 
 def simulated(schedule: str, stages: int, microbatches: list[int]) -> list[Fraction]:
@@ -68,7 +64,8 @@ def draw(args, path: Path) -> None:
     plt = canvas.pyplot()
     figure, ax = plt.subplots(figsize=(6, 4))
     dense = np.arange(1, max(ms) + 1)
-    ax.plot(dense, [float(formula(stages, m)) for m in dense], "-", color="grey", label="(K-1)/(M+K-1)")
+    ax.plot(dense, [float(bubble_formula(stages, m)) for m in dense], "-", color="grey",
+            label="(K-1)/(M+K-1)")
     ax.plot(ms, [float(b) for b in simulated(args.schedule, stages, ms)], "s", fillstyle="none",
             markersize=9, label="simulated")
     ax.plot(ms, bubbles, "o-", label="measured (median of steps)")

@@ -17,7 +17,14 @@ import tempfile
 from pathlib import Path
 
 from minipar.bench.timing import run_train
-from minipar.parallel.schedules import SCHEDULES, Timeline, build_schedule, simulate, splits_backward
+from minipar.parallel.schedules import (
+    SCHEDULES,
+    Timeline,
+    bubble_fraction,
+    build_schedule,
+    simulate,
+    splits_backward,
+)
 from minipar.plot import canvas
 from minipar.plot.loss import read_log
 from minipar.trainer.arguments import parse_train_args
@@ -82,11 +89,6 @@ def simulated_bars(timeline: Timeline) -> list[tuple[int, str, float, float]]:
     return bars
 
 
-def busy_share(bars: list[tuple[int, str, float, float]], stages: int) -> float:
-    """The stages' busy time over stages x makespan: 1 - the bubble fraction."""
-    return sum(stop - start for _, _, start, stop in bars) / (stages * max(stop for *_, stop in bars))
-
-
 def draw_bars(ax, bars, stages: int, scale: float = 1.0) -> None:
     for stage, label, start, stop in bars:
         ax.broken_barh([(start * scale, (stop - start) * scale)], (stage - 0.4, 0.8),
@@ -109,7 +111,8 @@ def draw(args, path: Path) -> None:
     table = build_schedule(schedule, stages, microbatches, virtual)
     backward = 1 if splits_backward(table) else 2
     measured = measured_bars(timing)
-    simulated = simulated_bars(simulate(table, forward_cost=1, backward_cost=backward))
+    timeline = simulate(table, forward_cost=1, backward_cost=backward)
+    simulated = simulated_bars(timeline)
     plt = canvas.pyplot()
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.2 + 1.1 * stages))
     draw_bars(top, measured, stages, scale=1e3)
@@ -118,5 +121,5 @@ def draw(args, path: Path) -> None:
     draw_bars(bottom, simulated, stages)
     costs = "F = B = W = 1" if backward == 1 else "F = 1, B = 2"
     bottom.set(xlabel=f"time units ({costs})", title=f"simulated {schedule}: bubble "
-               f"{1 - busy_share(simulated, stages):.3f}")
+               f"{float(bubble_fraction(timeline)):.3f}")
     canvas.save(figure, path)

@@ -32,6 +32,8 @@ def draw(name: str, argv: list[str]) -> Path:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / module.FILE
     module.draw(args, path)
+    if not path.is_file():  # a benchmark's own --plot says what it lacks (matplotlib) and writes nothing
+        raise NoMatplotlib(f"no {path} was written (is matplotlib installed? pip install -e '.[viz]')")
     return path
 
 

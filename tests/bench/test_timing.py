@@ -80,18 +80,6 @@ def test_sync_is_timed_with_the_work_and_before_is_not(clock):
     assert clock.calls[2:] == ["before", "w", "sync"] * 3
 
 
-def test_paired_ratio_is_the_median_of_per_round_ratios_not_the_ratio_of_medians(clock):
-    first, second = clock.work("first", [0, 1, 2, 3]), clock.work("second", [0, 2, 2, 9])
-    a, b, ratio = timing.paired_times(first, second, repeats=3)
-    assert (a, b) == (2, 2)  # medians of 1, 2, 3 and of 2, 2, 9: their quotient would be 1
-    assert ratio == 2  # per round 2/1, 2/2, 9/3: median 2
-
-
-def test_alternating_medians_keeps_every_name(clock):
-    works = {"eager": clock.work("eager", [0, 5, 1, 3]), "fused": clock.work("fused", [0, 1, 1, 1])}
-    assert timing.alternating_medians(works, repeats=3) == {"eager": 3.0, "fused": 1.0}
-
-
 def test_median_of_a_figure_across_log_records():
     records = [{"time_s": 3.0}, {"time_s": 1.0}, {"time_s": 100.0}, {"time_s": 2.0}]
     assert timing.median(records, lambda r: r["time_s"]) == 2.5  # even count: mean of the middle two

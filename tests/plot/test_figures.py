@@ -8,7 +8,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from minipar.parallel.schedules import build_schedule, simulate
+from minipar.parallel.pipeline import bubble_formula
+from minipar.parallel.schedules import bubble_fraction, build_schedule, simulate
 from minipar.plot import allreduce, bubble, gantt, loss, offload, registry, roofline, zero
 
 
@@ -18,7 +19,7 @@ def test_the_simulated_bubble_is_gpipes_formula(schedule, stages):
     microbatches = list(range(1, 9))
     expected = [Fraction(stages - 1, m + stages - 1) for m in microbatches]
     assert bubble.simulated(schedule, stages, microbatches) == expected
-    assert [bubble.formula(stages, m) for m in microbatches] == expected
+    assert [bubble_formula(stages, m) for m in microbatches] == expected  # the line the figure draws
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
@@ -38,14 +39,14 @@ def test_simulated_bars_are_the_timeline_of_gpipe_written_out():
     assert gantt.simulated_bars(timeline) == [
         (0, "F0", 0.0, 1.0), (0, "F1", 1.0, 2.0), (0, "B1", 5.0, 7.0), (0, "B0", 7.0, 9.0),
         (1, "F0", 1.0, 2.0), (1, "F1", 2.0, 3.0), (1, "B1", 3.0, 5.0), (1, "B0", 5.0, 7.0)]
-    assert 1 - gantt.busy_share(gantt.simulated_bars(timeline), 2) == pytest.approx(1 / 3)  # (K-1)/(M+K-1)
+    busy = sum(stop - start for *_, start, stop in gantt.simulated_bars(timeline))
+    assert 1 - busy / (2 * 9.0) == pytest.approx(1 / 3) == bubble_fraction(timeline)  # (K-1)/(M+K-1)
 
 
 def test_measured_bars_read_the_pipeline_record():
     timing = {"stage_action_times_s": [[["F0", 0.0, 0.25], ["B0", 0.5, 1.0]], [["F0", 0.25, 0.5]]]}
     bars = gantt.measured_bars(timing)
     assert bars == [(0, "F0", 0.0, 0.25), (0, "B0", 0.5, 1.0), (1, "F0", 0.25, 0.5)]
-    assert gantt.busy_share(bars, 2) == pytest.approx((0.25 + 0.5 + 0.25) / 2)
 
 
 def test_zero_lines_are_the_papers_formulas():
@@ -124,6 +125,19 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         registry.main(["bubble", "--schedule", "zb-h1"])
     assert stop.value.code == 2
+
+
+def test_a_figure_that_wrote_no_file_is_an_error_not_a_success(tmp_path, capsys, monkeypatch):
+    """A benchmark's own --plot without matplotlib says so on its output and writes nothing: the
+    command must not then print the PNG's name as drawn."""
+    from minipar.plot import trace
+
+    monkeypatch.setattr(trace.tracer, "save_plot", lambda path, data: "(no plot: matplotlib missing)")
+    monkeypatch.setattr(trace.tracer, "measure_trace", lambda: {})
+    assert registry.main(["trace", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"minipar plot trace: error: no {tmp_path / trace.FILE} was written "
+        "(is matplotlib installed? pip install -e '.[viz]')"]
 
 
 @pytest.mark.parametrize("name", registry.FIGURES)
