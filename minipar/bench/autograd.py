@@ -110,19 +110,9 @@ def autograd_figures(batch: int, width: int, layers: int, repeats: int, with_tor
         opt.step()
 
     times = round_times(mlp_works(cfg, batch, with_torch), repeats)
-    figures = {
-        "mlp": {"batch": batch, "width": width, "layers": layers},
-        "hand_numpy_s": float(np.median(times["hand"])),
-        "hand_numpy_s_spread": spread(times["hand"])[1],  # half the interquartile range of the rounds
-        "minipar_s": float(np.median(times["minipar"])),
-        "minipar_s_spread": spread(times["minipar"])[1],
-        "overhead_ratio": float(np.median(times["minipar"] / times["hand"])),
-    }
+    figures: dict = {"mlp": {"batch": batch, "width": width, "layers": layers, **mlp_figures(times)}}
     figures["gpt_step_s"], figures["gpt_step_s_spread"] = spread(
         round_times({"gpt": gpt_step}, max(3, repeats // 4))["gpt"])
-    if "torch" in times:
-        figures["torch_mlp_s"] = float(np.median(times["torch"]))
-        figures["mlp_torch_ratio"] = float(np.median(times["minipar"] / times["torch"]))
     figures["shallowspeed_mlp"] = mlp_figures(round_times(
         mlp_works(SHALLOWSPEED_MLP, SHALLOWSPEED_BATCH, with_torch), repeats))
     return figures
@@ -202,12 +192,13 @@ def main(argv) -> int:
         return 0
     print(f"MLP {args.layers} x {args.width}, batch {args.batch}, fp64, forward+backward, "
           f"median of {args.repeats} alternating rounds ± half the interquartile range")
-    print(f"  hand-written NumPy   {plus_minus(r['hand_numpy_s'], r['hand_numpy_s_spread'], 1e3, 2):>15} ms")
-    print(f"  minipar autograd     {plus_minus(r['minipar_s'], r['minipar_s_spread'], 1e3, 2):>15} ms")
-    print(f"  overhead ratio       {r['overhead_ratio']:8.3f}x")
-    if not missing:
-        print(f"  PyTorch              {r['torch_mlp_s'] * 1e3:15.2f} ms, "
-              f"minipar / PyTorch {r['mlp_torch_ratio']:.3f}x")
+    mlp = r["mlp"]
+    print(f"  hand-written NumPy   {plus_minus(mlp['hand_s'], mlp['hand_s_spread'], 1e3, 2):>15} ms")
+    print(f"  minipar autograd     {plus_minus(mlp['minipar_s'], mlp['minipar_s_spread'], 1e3, 2):>15} ms")
+    print(f"  overhead ratio       {mlp['hand_ratio']:8.3f}x")
+    if "torch_ratio" in mlp:
+        print(f"  PyTorch              {mlp['torch_s'] * 1e3:15.2f} ms, "
+              f"minipar / PyTorch {mlp['torch_ratio']:.3f}x")
     print_small_mlp(r["shallowspeed_mlp"], args.repeats)
     gpt_step = plus_minus(r["gpt_step_s"], r["gpt_step_s_spread"], 1e3)
     print(f"GPT (default config) training step: {gpt_step} ms")

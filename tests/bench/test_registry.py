@@ -38,8 +38,9 @@ def test_the_command_line_runs_the_named_bench_under_a_header(capsys):
     header, report = capsys.readouterr().out.splitlines()
     assert header == "== bench autograd"
     figures = json.loads(report)
-    assert figures["mlp"] == {"batch": 4, "width": 8, "layers": 2}
-    assert all(figures[k] > 0 for k in ("hand_numpy_s", "minipar_s", "overhead_ratio", "gpt_step_s"))
+    mlp = figures["mlp"]
+    assert (mlp["batch"], mlp["width"], mlp["layers"]) == (4, 8, 2)
+    assert all(mlp[k] > 0 for k in ("hand_s", "minipar_s", "hand_ratio")) and figures["gpt_step_s"] > 0
     small = figures["shallowspeed_mlp"]
     assert all(small[k] > 0 for k in ("hand_s", "minipar_s", "hand_ratio")) and "torch_ratio" not in small
 
