@@ -49,6 +49,24 @@ def test_vocab_parallel_cross_entropy_of_logits_far_from_zero(comm, seed, offset
     np.testing.assert_allclose(logits.grad[:, : want.shape[1]], want, rtol=0, atol=1e-12)
 
 
+@mpi_test
+def test_vocab_parallel_accuracy_counts_a_tie_across_ranks_as_right(comm):
+    """Row 0's target logit (on the last rank) ties the row's maximum (on rank 0): right, as the dense
+    loss counts a tie. Row 1's target is below the maximum: wrong. Row 2's target is the maximum
+    alone: right. Written by hand for any number of ranks, each holding 2 columns."""
+    vocab = 2 * comm.size
+    full_logits = np.zeros((3, vocab))
+    full_logits[0, 0] = full_logits[0, vocab - 1] = 5.0  # a tie between rank 0 and the last rank
+    full_logits[1, 0], full_logits[1, vocab - 1] = 5.0, 4.0
+    full_logits[2, vocab - 1] = 1.0
+    targets = np.array([vocab - 1, vocab - 1, vocab - 1])
+    start, stop = padded_bounds(vocab, comm.size, comm.rank)
+    logits = Tensor(shard_of(full_logits, Shard(full_logits.shape, 1, start, stop)), requires_grad=True)
+    correct = np.zeros(3, dtype=bool)
+    vocab_parallel_cross_entropy(logits, targets, start, vocab, comm, correct)
+    assert correct.tolist() == [True, False, True]
+
+
 # ---- the measured bubble: stages that sleep a known time per micro-batch ------------------------------
 
 SLEEP_S = 0.03  # per forward and per backward of a micro-batch on stage 0; twice that on stage 1
