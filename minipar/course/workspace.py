@@ -38,8 +38,9 @@ def files_of(exercise_id: str, root: Path = ROOT) -> list[str]:
 
 
 def create(folder: Path, exercises: list[Exercise], root: Path = ROOT) -> list[str]:
-    """Copy the project from root into folder (which must not exist, or be empty) and stub the
-    exercises' regions; return the stubbed files, relative to the project root."""
+    """Copy the project from root into folder and stub the exercises' regions; return the stubbed
+    files, relative to the project root. Files already in folder are overwritten: `course new` refuses
+    a folder that exists and is not empty before calling this."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in COPIED:
         source = root / name
@@ -48,11 +49,12 @@ def create(folder: Path, exercises: list[Exercise], root: Path = ROOT) -> list[s
         elif source.is_file():
             shutil.copy2(source, folder / name)
     messages = {exercise.id: stub_message(exercise) for exercise in exercises}
-    stubbed = sorted({region.path for region in regions_under(root) if region.exercise in messages})
+    regions = [region for region in regions_under(root) if region.exercise in messages]
+    stubbed = sorted({region.path for region in regions})
     for path in stubbed:
         target = folder / path
         target.write_text(stub_text(target.read_text(), path, messages))
-    hide_solutions_in_lessons(folder, [r for r in regions_under(root) if r.exercise in messages], root)
+    hide_solutions_in_lessons(folder, regions, root)
     manifest = {"exercises": [exercise.id for exercise in exercises], "stubbed_files": stubbed}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return stubbed
