@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from minipar.bench import autograd, torch_gpt
-from minipar.core import nn
+from minipar.core import blas, nn
+from minipar.core.autograd import Tensor
 from minipar.trainer.tasks import AdditionTask
 
 
@@ -76,7 +77,31 @@ def test_mlp_ratios_are_medians_of_per_round_ratios():
     assert f["minipar_s"] == 2.0
 
 
-def test_linear_products_are_the_models_linear_products():
+def recorded_products(monkeypatch) -> list:
+    """Every product through core/blas.py's matmul from now on, as (a, b, a @ b), in order (a copy of
+    the product: Linear adds its bias into the very array)."""
+    calls, matmul = [], blas.matmul
+
+    def recording(a, b):
+        product = matmul(a, b)
+        calls.append((a, b, product.copy()))
+        return product
+
+    monkeypatch.setattr(blas, "matmul", recording)
+    return calls
+
+
+def layout(a) -> tuple:
+    """What BLAS is handed: shape, dtype and strides (w.T is w's buffer read transposed, another call)."""
+    return a.shape, a.dtype, a.strides
+
+
+def test_linear_products_are_the_models_linear_products(monkeypatch):
+    """The bench times LinearProducts as the BLAS library's share of a step, so they must be the very
+    products the model's Linear layers run: per layer x W^T forward, g W and g^T x backward, on operands
+    in the same layouts (a transposed operand is another BLAS call, at another speed). The layers'
+    own forward and backward on the same x, W, g are the reference; the values are written out in
+    float64 NumPy from the definition."""
     pytest.importorskip("torch")
     cfg = nn.GPTConfig(n_layer=2, dtype="float32")
     model = nn.GPT(cfg, seed=0)
@@ -86,6 +111,20 @@ def test_linear_products_are_the_models_linear_products():
     for (x, w, g), linear in zip(products.layers, linears):
         assert w is linear.weight.data and x.shape == (5, w.shape[1]) and g.shape == (5, w.shape[0])
         assert x.dtype == g.dtype == np.float32
+    products.torch()  # runs (PyTorch's products are its own: no blas.matmul)
+    calls = recorded_products(monkeypatch)
     products.minipar()
-    products.torch()
-
+    bench = calls.copy()
+    calls.clear()
+    for (x, _, g), linear in zip(products.layers, linears):
+        linear(Tensor(x, requires_grad=True)).backward(g)  # y, then gx and gW: three products
+    reference = calls
+    assert len(bench) == len(reference) == 3 * len(linears)
+    for i, (x, w, g) in enumerate(products.layers):
+        x64, w64, g64 = (a.astype(np.float64) for a in (x, w, g))
+        by_hand = (x64 @ w64.T, g64 @ w64, g64.T @ x64)  # y = x W^T, gx = g W, gW = g^T x
+        for (a, b, out), (ref_a, ref_b, ref_out), expected in zip(bench[3 * i:3 * i + 3],
+                                                                   reference[3 * i:3 * i + 3], by_hand):
+            assert (layout(a), layout(b)) == (layout(ref_a), layout(ref_b)), i
+            np.testing.assert_array_equal(out, ref_out)  # the same call: the same bits
+            np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())

@@ -9,12 +9,13 @@ import ast
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from minipar.course import grading, selftest, workspace
-from minipar.course.exercises import BY_ID, EXERCISES
+from minipar.course.exercises import BY_ID, EXERCISES, Check
 from minipar.course.regions import RegionError, regions_in, regions_under, stub_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,9 +139,18 @@ def test_a_lesson_excerpt_that_shows_a_stubbed_region_loses_its_body_and_no_othe
     assert (tmp_path / "other/lessons/02_collectives.md").read_text() == unchanged
 
 
-@pytest.mark.parametrize("exercise", ["01.1", "09.2"])
-def test_an_exercise_fails_on_its_stub_and_passes_on_the_solution(exercise):
-    assert selftest.selftest(BY_ID[exercise]) == []
+def test_an_exercise_fails_on_its_stub_and_passes_on_the_solution():
+    # 09.2, two checks; 01.1 goes the whole way round through the command line (the test below)
+    assert selftest.selftest(BY_ID["09.2"]) == []
+
+
+def test_selftest_reports_a_check_that_passes_on_the_stub():
+    """A check that never reaches its region grades nothing, and selftest must say so: 01.1's region
+    (softmax's backward) graded by the log_softmax case of its test, which has a backward of its own."""
+    wrong = Check(BY_ID["01.1"].checks[0].node.replace("[softmax]", "[log_softmax]"), "a hint")
+    assert selftest.selftest(replace(BY_ID["01.1"], checks=(wrong,))) == [
+        "passes on the stub: tests/core/test_functional.py::test_softmax_and_log_softmax[log_softmax] "
+        "(1 process)"]
 
 
 def test_check_exits_1_on_a_stub_and_0_once_solved_and_grades_a_workspace_in_json(tmp_path):
