@@ -12,8 +12,8 @@ import json
 import tempfile
 from pathlib import Path
 
+from minipar.bench import canvas
 from minipar.bench.timing import run_train
-from minipar.plot import canvas
 
 FILE = "00_loss.png"
 DEFAULT_RUN = ["--steps", "60"]  # the default GPT, one process

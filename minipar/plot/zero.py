@@ -17,9 +17,9 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+from minipar.bench import canvas
 from minipar.bench.timing import run_mpi
 from minipar.memory import planner
-from minipar.plot import canvas
 from minipar.trainer.build import build_model
 from minipar.trainer.config import TrainConfig
 
