@@ -19,6 +19,8 @@ One way of timing for all of them, so that their figures can be set side by side
   spread    a table shows a median with half the interquartile range of what it is the median of
             ("65.4 ± 3.1", `spread`, `plus_minus`), and a long benchmark says on stderr which of its
             configurations it is running (`Progress`).
+  faults    a step's minor page faults (`minor_page_faults`) show what the allocator did beside the
+            time: first touches of pages the kernel handed out.
 Used by every file in minipar/bench; the lessons' examples launch their mpiexec jobs with mpiexec().
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -90,6 +93,13 @@ def spread(items, key: Callable = lambda item: item) -> tuple[float, float]:
 def plus_minus(middle: float, half_range: float, scale: float = 1.0, digits: int = 1) -> str:
     """A median and its spread as a table shows them: "65.4 ± 3.1" (times `scale`, `digits` decimals)."""
     return f"{middle * scale:.{digits}f} ± {half_range * scale:.{digits}f}"
+
+
+def minor_page_faults(who: int) -> int:
+    """Minor page faults so far (first touches of pages the kernel handed out) of this process
+    (who=resource.RUSAGE_SELF) or of its children that finished (RUSAGE_CHILDREN: mpiexec's ranks,
+    once it returned)."""
+    return resource.getrusage(who).ru_minflt
 
 
 class Progress:

@@ -4,6 +4,8 @@ turns round by round, hooks where they belong, and a ratio that is the median of
 The clock is a fake one that each work advances by a chosen number of seconds, so that every
 figure is known exactly and no test depends on the machine's load."""
 
+import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,6 +86,24 @@ def test_median_of_a_figure_across_log_records():
     records = [{"time_s": 3.0}, {"time_s": 1.0}, {"time_s": 100.0}, {"time_s": 2.0}]
     assert timing.median(records, lambda r: r["time_s"]) == 2.5  # even count: mean of the middle two
     assert timing.median([4, 1, 9]) == 4.0 and isinstance(timing.median([4, 1, 9]), float)
+
+
+TOUCH_64_MIB = """
+import resource
+from minipar.bench.timing import minor_page_faults
+before = minor_page_faults(resource.RUSAGE_SELF)
+pages = b"1" * (64 << 20)  # above malloc's mmap threshold: fresh pages, each written once
+print(minor_page_faults(resource.RUSAGE_SELF) - before)
+"""
+
+
+def test_minor_page_faults_are_this_processs_or_its_finished_childrens():
+    before = timing.minor_page_faults(resource.RUSAGE_CHILDREN)
+    done = subprocess.run([sys.executable, "-c", TOUCH_64_MIB], capture_output=True, text=True, timeout=60,
+                          check=True)
+    child_touching = int(done.stdout)
+    assert child_touching >= 32  # 64 MiB: 16384 pages of 4 KiB, or 32 huge pages at the fewest
+    assert timing.minor_page_faults(resource.RUSAGE_CHILDREN) - before >= child_touching
 
 
 def test_mpiexec_is_the_one_next_to_this_python():
