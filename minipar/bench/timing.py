@@ -137,11 +137,18 @@ def run_mpi(ranks: int, args: list[str], extra_env: dict[str, str] | None = None
     return done.stdout
 
 
+def read_log(path: Path) -> list[dict]:
+    """The records of a `minipar train --log` file, one JSON object a line (one per step)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no log file {path}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def run_train(ranks: int, train_args: list[str], log: Path,
               extra_env: dict[str, str] | None = None) -> list[dict]:
     """Run `minipar train` on `ranks` processes and return rank 0's log records, one per step."""
     run_mpi(ranks, ["-m", "minipar", "train", *train_args, "--quiet", "--log", str(log)], extra_env)
-    return [json.loads(line) for line in log.read_text().splitlines()]
+    return read_log(log)
 
 
 def run_train_concurrently(copies: int, train_args: list[str], folder: Path) -> list[list[dict]]:
@@ -156,4 +163,4 @@ def run_train_concurrently(copies: int, train_args: list[str], folder: Path) -> 
         _, errors = process.communicate(timeout=900)
         if process.returncode:
             raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}): {errors.strip()}")
-    return [[json.loads(line) for line in log.read_text().splitlines()] for log in logs]
+    return [read_log(log) for log in logs]

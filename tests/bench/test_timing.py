@@ -117,6 +117,14 @@ def test_run_train_returns_rank_0s_records_of_a_real_two_rank_run(tmp_path):
     assert all(r["comm"]["sent_bytes"] > 0 and r["time_s"] > 0 for r in records)  # dp = 2 sent gradients
 
 
+def test_a_log_is_read_one_record_a_line_and_a_missing_one_is_named(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 0, "loss": 2.5}\n\n{"step": 1, "loss": null}\n')
+    assert timing.read_log(log) == [{"step": 0, "loss": 2.5}, {"step": 1, "loss": None}]
+    with pytest.raises(FileNotFoundError, match="no log file .*missing.jsonl"):
+        timing.read_log(tmp_path / "missing.jsonl")
+
+
 def test_a_failing_run_raises_with_its_command_and_error():
     with pytest.raises(RuntimeError, match="--batch-size 7 is not divisible by dp=2"):
         timing.run_mpi(2, ["-m", "minipar", "train", "--batch-size", "7"])
