@@ -110,8 +110,9 @@ def recompute_figures(seq_len: int, batch: int, precision: str, repeats: int) ->
     none = models["none"]
     works["forward only"] = lambda: none.loss(none(ids), targets, targets.size)
     times_of = round_times(works, repeats)
-    ms = {name: 1e3 * float(np.median(times)) for name, times in times_of.items()}
-    ms_spread = {name: 1e3 * spread(times)[1] for name, times in times_of.items()}  # half the IQR
+    spreads = {name: spread(times) for name, times in times_of.items()}  # (median, half the IQR)
+    ms = {name: 1e3 * middle for name, (middle, _) in spreads.items()}
+    ms_spread = {name: 1e3 * half_range for name, (_, half_range) in spreads.items()}
     bytes_per_value = 8 if precision == "fp64" else 4
     rows = [{"recompute": mode, "activations_peak": peaks[mode],
              "formula": gpt_activation_peak(seq_len, batch, mcfg.d_model, mcfg.n_head, mcfg.n_layer,
