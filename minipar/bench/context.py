@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from minipar.bench import canvas
 from minipar.bench.table import right_aligned
 from minipar.bench.timing import SPREAD, Progress, plus_minus, run_train, spread
 from minipar.parallel.context import chunks_of, ring_attention_bytes
@@ -110,18 +111,11 @@ def draw_work_map(cp: int, zigzag: bool = True) -> str:
 
 
 def save_plot(path: str, figures: dict, cp: int = 4) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import ListedColormap
-    except ImportError:
-        return f"(no plot: matplotlib is not installed; pip install matplotlib, then --plot {path})"
+    plt = canvas.pyplot()
     import numpy as np
 
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    colours = ListedColormap(plt.get_cmap("tab10").colors[:cp])
+    colours = canvas.listed_colormap(plt.get_cmap("tab10").colors[:cp])
     for ax, zigzag in zip(axes, (False, True)):
         cells = np.array([[np.nan if c is None else c for c in row] for row in work_map(cp, zigzag)])
         ax.imshow(cells, cmap=colours, vmin=-0.5, vmax=cp - 0.5)
@@ -135,8 +129,7 @@ def save_plot(path: str, figures: dict, cp: int = 4) -> str:
     rows = figures["rows"]
     axes[2].bar([str(r["cp"]) for r in rows], [r["activations_peak"] / 2**20 for r in rows])
     axes[2].set(title="activation peak per rank, measured", xlabel="cp", ylabel="MiB")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    canvas.save(figure, path, dpi=110)
     return f"plot saved to {path}"
 
 
@@ -157,6 +150,8 @@ def main(argv) -> int:
               f"({'; '.join(problems) or 'ok'}), --steps must exceed --warmup, --repeats must be positive",
               file=sys.stderr)
         return 2
+    if args.plot:
+        canvas.pyplot()  # no matplotlib: say so now, not after the measuring
     figures = measure(sizes, args.steps, args.warmup, args.repeats, train_args)
     print(json.dumps(figures) if args.json else render(figures, args.warmup), flush=True)
     if args.plot:

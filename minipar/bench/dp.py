@@ -133,6 +133,7 @@ def size_row(n: int, kept: dict, grad_bytes: int) -> dict:
     records = kept["overlap", n]
     (tokens, tokens_spread), (step, step_spread) = (spread(records, lambda r: r["tokens_per_s"]),
                                                     spread(records, lambda r: r["time_s"]))
+    all_reduce, all_reduce_spread = spread(kept["all_reduce", n]) if n > 1 else (0.0, 0.0)
     row = {
         "dp": n,
         "tokens_per_s": tokens,
@@ -140,8 +141,8 @@ def size_row(n: int, kept: dict, grad_bytes: int) -> dict:
         "step_s": step,
         "step_s_spread": step_spread,
         "ceiling_step_s": median(kept["ceiling", n] or records, lambda r: r["time_s"]),
-        "all_reduce_s": median(kept["all_reduce", n]) if n > 1 else 0.0,
-        "all_reduce_s_spread": spread(kept["all_reduce", n])[1] if n > 1 else 0.0,
+        "all_reduce_s": all_reduce,
+        "all_reduce_s_spread": all_reduce_spread,
         "sent_bytes_per_step": int(median(records, lambda r: r["comm"]["sent_bytes"])),
         "messages_per_step": int(median(records, lambda r: r["comm"]["messages"])),
         "ring_formula_bytes": 2 * (n - 1) * grad_bytes / n,

@@ -31,25 +31,27 @@ from minipar.fusion.interpret import run
 from minipar.fusion.ir import array
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
+from minipar.trainer.reference import loss_deviation
 
 TOLERANCE = {"fp64": 1e-9, "fp32": 1e-5}
 WIDE = dict(n_layer=4, n_head=8, d_model=256, batch_size=32, seq_len=64)  # enough work for a GPU
 
 
 def train_on(cfg: TrainConfig) -> dict:
-    """Losses, step times and final weights of a single-process run of cfg (rank 0's view)."""
+    """Records, losses, step times and final weights of a single-process run of cfg (rank 0's view)."""
     from mpi4py import MPI
 
     trainer = train.Trainer(cfg.replace(dp=1, tp=1, pp=1, quiet=True, log=None), MPI.COMM_SELF)
     records = trainer.run()
-    return {"losses": [r["loss"] for r in records], "step_s": [r["time_s"] for r in records],
-            "state": trainer.full_state()}
+    return {"records": records, "losses": [r["loss"] for r in records],
+            "step_s": [r["time_s"] for r in records], "state": trainer.full_state()}
 
 
 def deviation(run: dict, reference: dict) -> dict:
-    """Largest relative deviation of the losses, and of the weights (each tensor's largest error over
-    its largest magnitude, train.relative_deviation, as train.compare_with_reference judges them)."""
-    losses = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(run["losses"], reference["losses"]))
+    """Largest relative deviation of the losses (reference.loss_deviation, over every step), and of the
+    weights (each tensor's largest error over its largest magnitude, train.relative_deviation), as
+    train.compare_with_reference judges them."""
+    losses = loss_deviation(run["records"], reference["losses"], len(reference["losses"]))
     weights = max(train.relative_deviation(run["state"][name], ref)
                   for name, ref in reference["state"].items() if ref.size)
     return {"loss": losses, "weight": weights}

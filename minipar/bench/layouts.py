@@ -18,6 +18,7 @@ from pathlib import Path
 
 from minipar.bench.table import right_aligned
 from minipar.bench.timing import SPREAD, Progress, median, plus_minus, run_train, spread
+from minipar.memory.ledger import model_states
 from minipar.trainer.arguments import parse_train_args
 from minipar.trainer.validate import validate
 
@@ -41,7 +42,7 @@ def measure_layout(ranks, layout, steps, warmup, zero, train_args, folder) -> di
         "dp": dp, "pp": pp, "tp": tp,
         "tokens_per_s": tokens,
         "tokens_per_s_spread": tokens_spread,  # half the interquartile range, over the steps
-        "model_states": last["mem"]["params"] + last["mem"]["grads"] + last["mem"]["optimizer"],
+        "model_states": model_states(last["mem"]),
         "activations_peak": last["mem"]["activations_peak"],
         "dp_bytes": by_dim.get("dp", 0), "pp_bytes": by_dim.get("pp", 0), "tp_bytes": by_dim.get("tp", 0),
         "bubble": median(bubbles) if bubbles else None,

@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from minipar.bench import canvas
 from minipar.dist.comm import Comm, ProcessGrid
 from minipar.precision import mixed as mixed_precision
 from minipar.precision.formats import DynamicLossScaler
@@ -156,13 +157,7 @@ def gradient_table(rows: list[dict]) -> str:
 
 
 def save_plot(path: str, results: dict) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"(no plot: matplotlib is not installed; pip install matplotlib, then --plot {path})"
+    plt = canvas.pyplot()
     figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4))
     for ax, (title, curves) in zip(np.atleast_1d(axes), results.items()):
         top = max(max(c["loss"]) for c in curves.values() if np.isfinite(c["loss"]).all())
@@ -177,8 +172,7 @@ def save_plot(path: str, results: dict) -> str:
                             label=f"{name}: {what}")
         ax.set(title=title, xlabel="step", ylabel="loss", yscale="log")
         ax.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    canvas.save(figure, path, dpi=120)
     return f"plot saved to {path}"
 
 
@@ -204,6 +198,8 @@ def main(argv) -> int:
         args = parse(argv)
     except SystemExit as stop:  # a usage error (one line, code 2) or --help (code 0)
         return stop.code or 0
+    if args.plot:
+        canvas.pyplot()  # no matplotlib: say so now, not after the measuring
     cfg = TrainConfig(model="mlp", n_layer=4, d_model=32, optimizer="sgd", lr=0.02, steps=args.steps,
                       batch_size=args.batch_size, seed=args.seed, dp=1, quiet=True)
     divisor, unit = 2.0**args.divisor_log2, 2.0**args.unit_log2

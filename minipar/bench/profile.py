@@ -25,8 +25,6 @@ import pstats
 import sys
 import time
 
-import numpy as np
-
 from minipar.bench.timing import spread
 from minipar.core import nn, optim
 from minipar.core.autograd import Function
@@ -77,8 +75,9 @@ def phase_seconds(step: GPTStep, repeats: int) -> tuple[dict[str, float], dict[s
             started = time.perf_counter()
             getattr(step, phase)()
             times[phase].append(time.perf_counter() - started)
-    return ({phase: float(np.median(seconds)) for phase, seconds in times.items()},
-            {phase: spread(seconds)[1] for phase, seconds in times.items()})
+    spreads = {phase: spread(seconds) for phase, seconds in times.items()}  # (median, half the IQR)
+    return ({phase: middle for phase, (middle, _) in spreads.items()},
+            {phase: half_range for phase, (_, half_range) in spreads.items()})
 
 
 def function_code_names() -> dict[tuple, str]:

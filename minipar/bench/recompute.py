@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from minipar.bench.table import right_aligned
-from minipar.bench.timing import SPREAD, plus_minus, round_times, spread
+from minipar.bench.timing import SPREAD, minor_page_faults, plus_minus, round_times, spread
 from minipar.core import nn
 from minipar.core.autograd import Tensor, activation_meter, no_grad
 from minipar.core.recompute import RECOMPUTE_MODES
@@ -77,17 +77,12 @@ def recomputed_forwards(models: dict, mcfg: nn.GPTConfig, ids) -> dict[str, Call
     return {"full": blocks, "selective": attention_cores}
 
 
-def minor_page_faults() -> int:
-    """This process's minor page faults so far: first touches of pages the kernel handed it."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def counting_faults(work: Callable, counts: list) -> Callable:
     """work, appending to `counts` the page faults of each run (two system calls: microseconds)."""
     def counted():
-        before = minor_page_faults()
+        before = minor_page_faults(resource.RUSAGE_SELF)
         work()
-        counts.append(minor_page_faults() - before)
+        counts.append(minor_page_faults(resource.RUSAGE_SELF) - before)
     return counted
 
 
@@ -115,8 +110,9 @@ def recompute_figures(seq_len: int, batch: int, precision: str, repeats: int) ->
     none = models["none"]
     works["forward only"] = lambda: none.loss(none(ids), targets, targets.size)
     times_of = round_times(works, repeats)
-    ms = {name: 1e3 * float(np.median(times)) for name, times in times_of.items()}
-    ms_spread = {name: 1e3 * spread(times)[1] for name, times in times_of.items()}  # half the IQR
+    spreads = {name: spread(times) for name, times in times_of.items()}  # (median, half the IQR)
+    ms = {name: 1e3 * middle for name, (middle, _) in spreads.items()}
+    ms_spread = {name: 1e3 * half_range for name, (_, half_range) in spreads.items()}
     bytes_per_value = 8 if precision == "fp64" else 4
     rows = [{"recompute": mode, "activations_peak": peaks[mode],
              "formula": gpt_activation_peak(seq_len, batch, mcfg.d_model, mcfg.n_head, mcfg.n_layer,

@@ -2,6 +2,7 @@
 
 Each benchmark is a file of this package with a `main(argv) -> int`; its docstring says what it
 measures, which lesson quotes it and its options. Times are taken as minipar/bench/timing.py says.
+A bench's `--plot FILE` without matplotlib (canvas.NoMatplotlib) is a one-line error, exit code 2.
 
     python -m minipar bench NAME [options]     NAME: one of BENCHES below, or all (QUICK)
 """
@@ -10,6 +11,9 @@ from __future__ import annotations
 
 import importlib
 import sys
+
+from minipar.bench.canvas import NoMatplotlib
+from minipar.trainer.arguments import fail
 
 BENCHES = ("autograd", "dp", "pp", "tp", "fusion", "precision", "layouts", "memory", "tracer", "gpu",
            "recompute", "context", "simulate", "profile", "zero3")
@@ -24,7 +28,10 @@ def main(argv) -> int:
     names = QUICK if argv[0] == "all" else (argv[0],)
     for name in names:
         print(f"== bench {name}", flush=True)
-        code = importlib.import_module(f"minipar.bench.{name}").main(argv[1:])
+        try:
+            code = importlib.import_module(f"minipar.bench.{name}").main(argv[1:])
+        except NoMatplotlib as missing:  # a bench's --plot FILE
+            return fail(f"minipar bench {name}", str(missing))
         if code:
             return code
     return 0

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from minipar.bench import canvas
 from minipar.bench.timing import SPREAD, Progress, plus_minus, run_mpi, run_train, spread
 from minipar.simulate import presets
 from minipar.simulate.machines import Machine
@@ -85,13 +86,7 @@ def local_machine(steps: int) -> Machine:
 
 def save_plot(path: str) -> str:
     """Two panels: Table 1's TFLOP/s per GPU by model size, and ZeRO-3 against 3D by GPU count."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"(no plot: matplotlib is not installed; pip install matplotlib, then --plot {path})"
+    plt = canvas.pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = presets.table1()
     sizes = [r["params_b"] for r in rows]
@@ -109,8 +104,7 @@ def save_plot(path: str) -> str:
     for ax in (left, right):
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    canvas.save(figure, path, dpi=80)
     return f"plot: {path}"
 
 

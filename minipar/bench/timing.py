@@ -19,6 +19,8 @@ One way of timing for all of them, so that their figures can be set side by side
   spread    a table shows a median with half the interquartile range of what it is the median of
             ("65.4 ± 3.1", `spread`, `plus_minus`), and a long benchmark says on stderr which of its
             configurations it is running (`Progress`).
+  faults    a step's minor page faults (`minor_page_faults`) show what the allocator did beside the
+            time: first touches of pages the kernel handed out.
 Used by every file in minipar/bench; the lessons' examples launch their mpiexec jobs with mpiexec().
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -92,6 +95,13 @@ def plus_minus(middle: float, half_range: float, scale: float = 1.0, digits: int
     return f"{middle * scale:.{digits}f} ± {half_range * scale:.{digits}f}"
 
 
+def minor_page_faults(who: int) -> int:
+    """Minor page faults so far (first touches of pages the kernel handed out) of this process
+    (who=resource.RUSAGE_SELF) or of its children that finished (RUSAGE_CHILDREN: mpiexec's ranks,
+    once it returned)."""
+    return resource.getrusage(who).ru_minflt
+
+
 class Progress:
     """One line to stderr per configuration of a long benchmark, "[bench dp] 3/8 dp=2 overlap", so
     that a run of minutes shows where it is; stdout keeps only the tables (the lessons quote them)."""
@@ -127,11 +137,18 @@ def run_mpi(ranks: int, args: list[str], extra_env: dict[str, str] | None = None
     return done.stdout
 
 
+def read_log(path: Path) -> list[dict]:
+    """The records of a `minipar train --log` file, one JSON object a line (one per step)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no log file {path}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def run_train(ranks: int, train_args: list[str], log: Path,
               extra_env: dict[str, str] | None = None) -> list[dict]:
     """Run `minipar train` on `ranks` processes and return rank 0's log records, one per step."""
     run_mpi(ranks, ["-m", "minipar", "train", *train_args, "--quiet", "--log", str(log)], extra_env)
-    return [json.loads(line) for line in log.read_text().splitlines()]
+    return read_log(log)
 
 
 def run_train_concurrently(copies: int, train_args: list[str], folder: Path) -> list[list[dict]]:
@@ -146,4 +163,4 @@ def run_train_concurrently(copies: int, train_args: list[str], folder: Path) -> 
         _, errors = process.communicate(timeout=900)
         if process.returncode:
             raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}): {errors.strip()}")
-    return [[json.loads(line) for line in log.read_text().splitlines()] for log in logs]
+    return [read_log(log) for log in logs]

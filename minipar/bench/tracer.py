@@ -24,6 +24,7 @@ import json
 import numpy as np
 from mpi4py import MPI
 
+from minipar.bench import canvas
 from minipar.bench.table import right_aligned
 from minipar.memory.offload import MiB
 from minipar.memory.tracer import round_up_mb
@@ -155,13 +156,7 @@ def phases(trace: dict) -> dict:
 
 
 def save_plot(path: str, trace: dict) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"(no plot: matplotlib is not installed; pip install matplotlib, then --plot {path})"
+    plt = canvas.pyplot()
     samples = trace["samples"]
     x = moment_axis(samples)
     layers = {"model states on the device (blocks)": [s["model"] for s in samples],
@@ -180,8 +175,7 @@ def save_plot(path: str, trace: dict) -> str:
            title="The warm-up step's memory: the default GPT, batch 8, sequence 16, chunks of 0.25 MiB, "
            "offload cpu", ylim=(0, trace["budget_bytes"] / MiB * 1.12))
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    canvas.save(figure, path, dpi=110)
     return f"plot saved to {path}"
 
 
@@ -193,6 +187,8 @@ def main(argv) -> int:
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error(f"--steps must be at least 2 (the first one is the warm-up), got {args.steps}")
+    if args.plot:
+        canvas.pyplot()  # no matplotlib: say so now, not after the measuring
     figures = {"least": measure_least(), "placement": measure_placement(args.steps), "trace": measure_trace()}
     if args.json:
         print(json.dumps({**figures, "trace": {k: v for k, v in figures["trace"].items() if k != "samples"}}))

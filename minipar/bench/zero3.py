@@ -26,23 +26,18 @@ from pathlib import Path
 import numpy as np
 
 from minipar.bench.table import right_aligned
-from minipar.bench.timing import Progress, median, run_train
+from minipar.bench.timing import Progress, median, minor_page_faults, run_train
 
 WAYS = {"ddp": [], "ddp --no-overlap": ["--no-overlap"], "zero3": ["--zero", "3"],
         "zero3 --no-overlap": ["--zero", "3", "--no-overlap"]}
 ALLOCATORS = {"kept": {}, "malloc": {"MINIPAR_SYSTEM_MALLOC": "1"}}  # freed memory kept, or malloc's defaults
 
 
-def children_faults() -> int:
-    """Minor page faults of this process's finished children (mpiexec's ranks, once it returned)."""
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
-
-
 def faulting_run(dp: int, train_args: list[str], log: Path, env: dict) -> tuple[list[dict], int]:
     """run_train's records, and the page faults of all the run's processes together."""
-    before = children_faults()
+    before = minor_page_faults(resource.RUSAGE_CHILDREN)  # mpiexec's ranks, once it returned
     records = run_train(dp, train_args, log, env)
-    return records, children_faults() - before
+    return records, minor_page_faults(resource.RUSAGE_CHILDREN) - before
 
 
 def zero3_figures(dp: int, batch_size: int, steps: int, warmup: int, rounds: int) -> dict:

@@ -121,6 +121,12 @@ class MemoryLedger:
         }
 
 
+def model_states(mem: dict) -> int:
+    """The model-state bytes of a `mem` object (MemoryLedger.report, a train log's record): parameters,
+    gradients and optimizer states, what ZeRO partitions."""
+    return mem["params"] + mem["grads"] + mem["optimizer"]
+
+
 def listen_weakly(meter, method) -> RemovableHandle:
     """Subscribe a bound method of a ledger without keeping the ledger alive (the meters are global)."""
     method = weakref.WeakMethod(method)

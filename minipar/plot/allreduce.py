@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from minipar.bench import canvas
 from minipar.bench.timing import run_mpi
-from minipar.plot import canvas
 
 FILE = "02_allreduce.png"
 SIZES = [8 * 4**i for i in range(11)]  # 8 B .. 8 MiB

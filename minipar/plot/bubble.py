@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from minipar.bench import canvas
 from minipar.parallel.pipeline import bubble_formula
 from minipar.parallel.schedules import bubble_fraction, build_schedule, simulate
-from minipar.plot import canvas
 from minipar.plot.gantt import pipeline_records
 
 FILE = "06_bubble.png"

@@ -16,7 +16,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from minipar.bench.timing import run_train
+from minipar.bench import canvas
+from minipar.bench.timing import read_log, run_train
 from minipar.parallel.schedules import (
     SCHEDULES,
     Timeline,
@@ -25,8 +26,6 @@ from minipar.parallel.schedules import (
     simulate,
     splits_backward,
 )
-from minipar.plot import canvas
-from minipar.plot.loss import read_log
 from minipar.trainer.arguments import parse_train_args
 from minipar.trainer.validate import validate
 

@@ -8,12 +8,11 @@ Lesson: lessons/00_overview.md.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
-from minipar.bench.timing import run_train
-from minipar.plot import canvas
+from minipar.bench import canvas
+from minipar.bench.timing import read_log, run_train
 
 FILE = "00_loss.png"
 DEFAULT_RUN = ["--steps", "60"]  # the default GPT, one process
@@ -22,13 +21,6 @@ DEFAULT_RUN = ["--steps", "60"]  # the default GPT, one process
 def add_arguments(p) -> None:
     p.add_argument("--log", type=Path, nargs="+", default=None,
                    help="JSON-lines logs of `minipar train --log`")
-
-
-def read_log(path: Path) -> list[dict]:
-    """The records of a train log, one JSON object a line."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no log file {path}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def curves(records: list[dict]) -> dict[str, list]:

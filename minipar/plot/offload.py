@@ -13,9 +13,9 @@ import json
 import tempfile
 from pathlib import Path
 
+from minipar.bench import canvas
 from minipar.bench.memory import measure_offload
 from minipar.memory.offload import MiB
-from minipar.plot import canvas
 
 FILE = "08_offload.png"
 

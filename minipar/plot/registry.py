@@ -12,7 +12,7 @@ import importlib
 import time
 from pathlib import Path
 
-from minipar.plot.canvas import NoMatplotlib
+from minipar.bench.canvas import NoMatplotlib
 from minipar.trainer.arguments import OneLineParser, fail
 
 FIGURES = ("loss", "gantt", "bubble", "zero", "allreduce", "offload", "roofline",  # drawn here
@@ -32,7 +32,7 @@ def draw(name: str, argv: list[str]) -> Path:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / module.FILE
     module.draw(args, path)
-    if not path.is_file():  # a benchmark's own --plot says what it lacks (matplotlib) and writes nothing
+    if not path.is_file():  # a figure that returned without drawing must not be printed as drawn
         raise NoMatplotlib(f"no {path} was written (is matplotlib installed? pip install -e '.[viz]')")
     return path
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from minipar.bench import canvas
 from minipar.bench.fusion import bench_chain
 from minipar.fusion.tiled import TILE
-from minipar.plot import canvas
 
 FILE = "10_roofline.png"
 CHAIN_OPS = 8  # chain8: add, multiply, subtract, multiply, maximum, add, sqrt, multiply per value

@@ -17,9 +17,10 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+from minipar.bench import canvas
 from minipar.bench.timing import run_mpi
 from minipar.memory import planner
-from minipar.plot import canvas
+from minipar.memory.ledger import model_states
 from minipar.trainer.build import build_model
 from minipar.trainer.config import TrainConfig
 
@@ -41,11 +42,6 @@ def formula_bytes(psi: int, sizes: list[int]) -> dict[int, list[Fraction]]:
     """Per stage, the model-state bytes per rank at each N by the paper's formula (fp64 Adam)."""
     return {stage: [planner.model_state_bytes(psi, n, stage, **FP64_ADAM) for n in sizes]
             for stage in planner.STAGES}
-
-
-def model_states(mem: dict) -> int:
-    """The model-state bytes of a log's `mem` record: parameters, gradients and optimizer states."""
-    return mem["params"] + mem["grads"] + mem["optimizer"]
 
 
 def measured_bytes(sizes: list[int]) -> dict[int, list[int]]:

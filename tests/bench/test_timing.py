@@ -4,6 +4,8 @@ turns round by round, hooks where they belong, and a ratio that is the median of
 The clock is a fake one that each work advances by a chosen number of seconds, so that every
 figure is known exactly and no test depends on the machine's load."""
 
+import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -86,6 +88,24 @@ def test_median_of_a_figure_across_log_records():
     assert timing.median([4, 1, 9]) == 4.0 and isinstance(timing.median([4, 1, 9]), float)
 
 
+TOUCH_64_MIB = """
+import resource
+from minipar.bench.timing import minor_page_faults
+before = minor_page_faults(resource.RUSAGE_SELF)
+pages = b"1" * (64 << 20)  # above malloc's mmap threshold: fresh pages, each written once
+print(minor_page_faults(resource.RUSAGE_SELF) - before)
+"""
+
+
+def test_minor_page_faults_are_this_processs_or_its_finished_childrens():
+    before = timing.minor_page_faults(resource.RUSAGE_CHILDREN)
+    done = subprocess.run([sys.executable, "-c", TOUCH_64_MIB], capture_output=True, text=True, timeout=60,
+                          check=True)
+    child_touching = int(done.stdout)
+    assert child_touching >= 32  # 64 MiB: 16384 pages of 4 KiB, or 32 huge pages at the fewest
+    assert timing.minor_page_faults(resource.RUSAGE_CHILDREN) - before >= child_touching
+
+
 def test_mpiexec_is_the_one_next_to_this_python():
     assert Path(timing.mpiexec()) == Path(sys.executable).parent / "mpiexec"
 
@@ -95,6 +115,14 @@ def test_run_train_returns_rank_0s_records_of_a_real_two_rank_run(tmp_path):
     records = timing.run_train(2, [*small, "--dp", "2", "--steps", "3"], tmp_path / "log.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(r["comm"]["sent_bytes"] > 0 and r["time_s"] > 0 for r in records)  # dp = 2 sent gradients
+
+
+def test_a_log_is_read_one_record_a_line_and_a_missing_one_is_named(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 0, "loss": 2.5}\n\n{"step": 1, "loss": null}\n')
+    assert timing.read_log(log) == [{"step": 0, "loss": 2.5}, {"step": 1, "loss": None}]
+    with pytest.raises(FileNotFoundError, match="no log file .*missing.jsonl"):
+        timing.read_log(tmp_path / "missing.jsonl")
 
 
 def test_a_failing_run_raises_with_its_command_and_error():

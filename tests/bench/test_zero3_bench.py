@@ -1,6 +1,8 @@
 """`bench zero3`: the runs it makes and the figures it draws from their logs, with `run_train`
 replaced by logs whose speeds are set by hand (the real runs are what the lesson quotes)."""
 
+import resource
+
 import pytest
 
 from minipar.bench import zero3
@@ -28,7 +30,8 @@ def test_each_round_runs_every_way_under_both_allocators_and_ratios_are_per_roun
             {"tokens_per_s": speed, "comm_wait_s": 0.002}] * 3
 
     monkeypatch.setattr(zero3, "run_train", run_train)
-    monkeypatch.setattr(zero3, "children_faults", lambda: faulted[0])
+    monkeypatch.setattr(zero3, "minor_page_faults", lambda who: faulted[0] if who == resource.RUSAGE_CHILDREN
+                        else pytest.fail("the ranks' faults are the finished children's, not this process's"))
     figures = zero3.zero3_figures(dp=2, batch_size=8, steps=4, warmup=1, rounds=3)
     assert len(calls) == 3 * 4 * 2 and all(ranks == 2 for ranks, _, _ in calls)
     assert calls[0][1] == ["--dp", "2", "--batch-size", "8", "--steps", "4"] and calls[0][2] == {}

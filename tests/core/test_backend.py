@@ -199,6 +199,18 @@ def test_bench_gpu_compares_the_two_backends(capsys):
     assert "numpy/cupy" in text and "chain8" in text and gpu_bench.agrees(result)
 
 
+def test_bench_gpus_deviation_is_the_largest_relative_one_of_any_step_and_any_tensor():
+    def run(losses, weights):
+        return {"records": [{"step": i, "loss": loss} for i, loss in enumerate(losses)], "losses": losses,
+                "state": {"w": numpy.array(weights), "empty": numpy.zeros(0)}}
+    numpy_run = run([2.0, 4.0, 1.0], [10.0, -20.0])
+    cupy_run = run([2.0, 4.2, 1.5], [10.0, -19.0])
+    # relative to the NumPy run's losses, the last step included: 0.5 of 1 (0.5 of CuPy's 1.5 would be
+    # 0.33, and step 1's 0.2 of 4 is 0.05); the weights' largest error 1 over their largest |-20|
+    assert gpu_bench.deviation(cupy_run, numpy_run) == pytest.approx({"loss": 0.5, "weight": 0.05})
+    assert gpu_bench.deviation(numpy_run, numpy_run) == {"loss": 0.0, "weight": 0.0}
+
+
 # ----- multi-rank: every collective stages, or hands device memory to a CUDA-aware MPI -----------
 
 

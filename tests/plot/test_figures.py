@@ -128,8 +128,9 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
 
 
 def test_a_figure_that_wrote_no_file_is_an_error_not_a_success(tmp_path, capsys, monkeypatch):
-    """A benchmark's own --plot without matplotlib says so on its output and writes nothing: the
-    command must not then print the PNG's name as drawn."""
+    """A figure whose drawing returns without writing its PNG (here a benchmark's save_plot that only
+    prints, as the benches' did before they drew through bench/canvas.py) is an error: the command must not
+    then print the PNG's name as drawn."""
     from minipar.plot import trace
 
     monkeypatch.setattr(trace.tracer, "save_plot", lambda path, data: "(no plot: matplotlib missing)")
