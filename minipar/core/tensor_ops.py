@@ -65,14 +65,18 @@ class Sub(Function):
 class Mul(Function):
     @staticmethod
     def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
+        # each factor is needed only for the other's gradient, so only that is saved, as PyTorch
+        # saves: a product with a constant (attention's scaling of its scores) keeps nothing
+        needs = ctx.needs_input_grad
+        ctx.save_for_backward(a if needs[1] else None, b if needs[0] else None)
+        ctx.shapes = (_shape(a), _shape(b))
         return a * b
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved
-        ga = unbroadcast(g * b, _shape(a)) if ctx.needs_input_grad[0] else None
-        gb = unbroadcast(g * a, _shape(b)) if ctx.needs_input_grad[1] else None
+        ga = unbroadcast(g * b, ctx.shapes[0]) if ctx.needs_input_grad[0] else None
+        gb = unbroadcast(g * a, ctx.shapes[1]) if ctx.needs_input_grad[1] else None
         return ga, gb
 
 

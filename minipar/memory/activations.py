@@ -6,38 +6,39 @@ parallel ranks) and V (vocabulary). Counting what each operation of a block save
 
     ln_1, ln_2        xhat (sbh) and 1/std (sb) each              2sbh + 2sb
     query, key, value each saves its input x (replicated)         3sbh
-    attention core    q, k (sbh/t each); the scaled scores and the
-                      softmax (as²b/t each); softmax and v again
-                      for the weighted sum (as²b/t + sbh/t)       3sbh/t + 3as²b/t
+    attention core    q, k (sbh/t each); the softmax (as²b/t);
+                      softmax and v again for the weighted sum
+                      (as²b/t + sbh/t); scaling the scores by a
+                      constant keeps nothing                      3sbh/t + 2as²b/t
     proj (attention)  its input (sbh/t)                           sbh/t
     fc, GELU, proj    fc's input sbh; GELU's input and proj's
                       input, 4sbh/t each                          sbh + 8sbh/t
 
-    one block, none:       sbh(6 + 12/t) + 3as²b/t + 2sb     (t = 1: 18sbh + 3as²b + 2sb)
+    one block, none:       sbh(6 + 12/t) + 2as²b/t + 2sb     (t = 1: 18sbh + 2as²b + 2sb)
     selective:             sbh(6 + 12/t) + 2sb               the core keeps only q, k, v: 3sbh/t
     full:                  sbh                               the block's input only
 
 With sequence parallelism (parallel/sequence.py) the LayerNorms work on s/t positions, so their
 2sbh + 2sb become (2sbh + 2sb)/t, and full recomputation keeps sbh/t per block:
 
-    none, --sp:            sbh(4 + 14/t) + 3as²b/t + 2sb/t
+    none, --sp:            sbh(4 + 14/t) + 2as²b/t + 2sb/t
     selective, --sp:       sbh(4 + 14/t) + 2sb/t
     full, --sp:            sbh/t
 
 Korthikanti et al. (2022) count sbh(34 + 5as/h) for the same block: their activations are 2 bytes and
 their dropout masks 1 byte, and they count q, k and v's shared input once (minipar's meter counts it
-three times, once per Linear that saves it, and saves the scaled scores twice: for the scaling's and
-for softmax's backward). Their selective recomputation drops the 5as/h term as this one drops 3as²b/t.
+three times, once per Linear that saves it, and softmax's output twice: for softmax's backward and for
+the weighted sum's). Their selective recomputation drops the 5as/h term as this one drops 2as²b/t.
 
 The 4sbh left whole under --sp are the gathered inputs of query, key, value and fc: each Linear saves
 the input it multiplies, where Megatron saves the sequence piece and all-gathers it again in backward
 (their sbh(34/t + 5as/(ht)), everything divided by t). A run's peak adds the embedding (0 values;
-sbh + sb with tensor parallelism, whose lookup masks its rows) and the head (ln_f sbh + sb, over t
-with --sp; lm_head's input sbh; the softmax sbV/t; the loss 1), and, with recomputation, the largest
-transient of backward: a block recomputed on top of the kept inputs. `gpt_activation_peak` is that
-high-water mark for one pipeline stage holding the whole model (pp = 1); the memory ledger's measured
-`activations_peak` equals it to the byte (tests/parallel/test_recompute.py, test_sequence.py).
-Lesson: lessons/01_autograd.md.
+sb with tensor parallelism: its lookup's mask) and the head (ln_f sbh + sb, over t with --sp;
+lm_head's input sbh; the softmax sbV/t; the loss, scaled by a constant, nothing), and, with
+recomputation, the largest transient of backward: a block recomputed on top of the kept inputs.
+`gpt_activation_peak` is that high-water mark for one pipeline stage holding the whole model (pp = 1);
+the memory ledger's measured `activations_peak` equals it to the byte (tests/parallel/test_recompute.py,
+test_sequence.py). Lesson: lessons/01_autograd.md.
 """
 
 from __future__ import annotations
@@ -53,24 +54,24 @@ def block_activation_values(s: int, b: int, h: int, a: int, t: int = 1, recomput
         return s * b * h // p
     layer_norms = 2 * (s * b * h + s * b) // p
     kept = layer_norms + 4 * s * b * h + 12 * s * b * h // t  # q, k, v and fc inputs; the split rest
-    return kept if recompute == "selective" else kept + 3 * a * s * s * b // t
+    return kept if recompute == "selective" else kept + 2 * a * s * s * b // t
 
 
 def attention_core_values(s: int, b: int, h: int, a: int, t: int = 1) -> int:
-    """Values the attention core saves when it is recorded: q, k, v, the scores twice and softmax."""
-    return 3 * s * b * h // t + 3 * a * s * s * b // t
+    """Values the attention core saves when it is recorded: q, k, v and the softmax's output twice."""
+    return 3 * s * b * h // t + 2 * a * s * s * b // t
 
 
 def head_values(s: int, b: int, h: int, vocab: int, t: int = 1, sp: bool = False) -> int:
     """ln_f (sbh + sb, over tp with --sp), lm_head's input (sbh), the vocab-parallel softmax
-    (sb V/t, V padded to a multiple of t) and the loss (1)."""
+    (sb V/t, V padded to a multiple of t); the loss's scaling by 1/tokens keeps nothing."""
     start, stop = padded_bounds(vocab, t, 0)
-    return (s * b * h + s * b) // (t if sp else 1) + s * b * h + s * b * (stop - start) + 1
+    return (s * b * h + s * b) // (t if sp else 1) + s * b * h + s * b * (stop - start)
 
 
 def embedding_values(s: int, b: int, h: int, t: int = 1) -> int:
-    """The token lookup saves nothing; tensor parallelism's multiplies by a mask, saving both factors."""
-    return 0 if t == 1 else s * b * h + s * b
+    """The token lookup saves nothing; tensor parallelism's multiplies it by a mask, saving the mask."""
+    return 0 if t == 1 else s * b
 
 
 def gpt_activation_peak(s: int, b: int, h: int, a: int, n_layer: int, vocab: int, t: int = 1,
