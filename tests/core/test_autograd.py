@@ -224,6 +224,26 @@ def test_activation_meter_counts_bytes_saved_for_backward():
     assert activation_meter.peak == activation_meter.current
 
 
+def test_a_product_saves_each_factor_only_for_the_others_gradient():
+    """PyTorch's rule: d(a b)/da needs b and d(a b)/db needs a, so a factor is kept only when the other
+    one needs a gradient. Scaling by a constant keeps nothing; a constant mask is kept, the masked
+    tensor not (tensor parallelism's lookup). The gradients are those of the formula."""
+    x, w = leaf(0, (10, 8), 1), leaf(0, (10, 8), 2)  # 640 bytes each in float64
+    mask = np.random.default_rng(3).integers(0, 2, (10, 1)).astype(np.float64)  # 80 bytes
+    for make, kept in ((lambda: x * 0.5, 0), (lambda: x * mask, 80), (lambda: mask * x, 80),
+                       (lambda: x * w, 1280)):
+        start = activation_meter.current
+        y = make()
+        assert activation_meter.current - start == kept
+        x.grad = w.grad = None
+        y.backward(np.ones((10, 8)))
+        assert activation_meter.current == start
+    np.testing.assert_array_equal(x.grad, w.data)  # of the last, x * w
+    np.testing.assert_array_equal(w.grad, x.data)
+    (x * mask).backward(np.ones((10, 8)))
+    np.testing.assert_array_equal(x.grad, w.data + np.broadcast_to(mask, (10, 8)))
+
+
 def test_a_graph_dropped_without_backward_gives_its_activation_bytes_back():
     start = activation_meter.current
     x, w = leaf(0, (10, 8), 1), leaf(0, (10, 8), 2)
