@@ -132,9 +132,7 @@ class Tensor:
         if grad is None:
             grad = xp_of(self.data).ones_like(self.data)
         grads = {self: grad}  # keyed by the tensors themselves: a Tensor hashes by identity
-        order = _topological_order(self)
-        while order:  # popped, so that a tensor nothing else holds is freed once its gradient is used
-            tensor = order.pop()
+        for tensor in reversed(_topological_order(self)):
             g = grads.pop(tensor, None)
             if g is None:
                 continue

@@ -4,8 +4,6 @@ The op-by-op gradients are checked in test_functional.py; here the engine's own 
 small graphs whose gradients are known in closed form.
 """
 
-import weakref
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -174,37 +172,6 @@ def test_the_graph_is_freed_as_backward_goes():
     z = F.sum(y * y)
     z.backward()
     assert z.node is None and y.node is None
-
-
-class AliveAtBackward(Function):
-    """The identity, noting in backward which of the weakly referenced `watched` are still alive."""
-
-    watched: list = []
-    alive: list = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        AliveAtBackward.alive = [ref() is not None for ref in AliveAtBackward.watched]
-        return g
-
-
-def test_an_intermediate_nothing_holds_is_freed_once_its_gradient_is_used():
-    """What PyTorch does: by the time backward reaches the first op, the tensors above it (and their
-    output arrays) are gone. A backward that walks a list to its end keeps them all alive until it
-    returns; one that kept the gradients it passed on would keep their arrays."""
-    x = leaf(0, (5,))
-    a = F.tanh(AliveAtBackward.apply(x))
-    b = F.exp(a * a)
-    loss = F.sum(b)
-    AliveAtBackward.watched = [weakref.ref(t) for t in (a, b)] + [weakref.ref(a.data), weakref.ref(b.data)]
-    del a, b
-    loss.backward()
-    assert AliveAtBackward.alive == [False, False, False, False]
-    assert x.grad is not None  # and the gradient reached the leaf through the probe
 
 
 def test_activation_meter_counts_bytes_saved_for_backward():
