@@ -12,6 +12,7 @@ import importlib
 import time
 from pathlib import Path
 
+from minipar.bench import canvas
 from minipar.bench.canvas import NoMatplotlib
 from minipar.trainer.arguments import OneLineParser, fail
 
@@ -31,6 +32,7 @@ def draw(name: str, argv: list[str]) -> Path:
     args = parser_of(name, module).parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / module.FILE
+    canvas.pyplot()  # no matplotlib: say so now, not after a figure's training runs or measurements
     module.draw(args, path)
     if not path.is_file():  # a figure that returned without drawing must not be printed as drawn
         raise NoMatplotlib(f"no {path} was written (is matplotlib installed? pip install -e '.[viz]')")
