@@ -10,7 +10,6 @@ A bench's `--plot FILE` without matplotlib (canvas.NoMatplotlib) is a one-line e
 from __future__ import annotations
 
 import importlib
-import sys
 
 from minipar.bench.canvas import NoMatplotlib
 from minipar.trainer.arguments import fail
@@ -23,8 +22,7 @@ QUICK = ("autograd", "dp", "pp", "tp", "fusion", "precision")  # what `bench all
 def main(argv) -> int:
     """Run the benchmark argv[0] (or each of QUICK for "all") with the options argv[1:]."""
     if not argv or argv[0] not in (*BENCHES, "all"):
-        print(f"minipar bench: error: choose one of {', '.join(BENCHES)}, all", file=sys.stderr)
-        return 2
+        return fail("minipar bench", f"choose one of {', '.join(BENCHES)}, all")
     names = QUICK if argv[0] == "all" else (argv[0],)
     for name in names:
         print(f"== bench {name}", flush=True)
