@@ -61,7 +61,10 @@ def zero3_figures(dp: int, batch_size: int, steps: int, warmup: int, rounds: int
                     progress(f"round {round_ + 1} {way} ({allocator})")
                     records, faulted = faulting_run(dp, [*train, "--steps", str(steps), *extra], log, env)
                     kept[allocator, way].append(records[warmup:])
-                    per_step_and_rank = (faulted - start_up[allocator, way]) / ((steps - warmup) * dp)
+                    # a difference of two runs' counts: where a step faults about never, their noise
+                    # can make it a little negative, and no step faults fewer than zero times
+                    steps_and_ranks = (steps - warmup) * dp
+                    per_step_and_rank = max(0.0, (faulted - start_up[allocator, way]) / steps_and_ranks)
                     faults[allocator, way].append(per_step_and_rank)
     figures: dict = {}
     for (allocator, way), per_round in kept.items():

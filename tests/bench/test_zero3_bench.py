@@ -47,3 +47,20 @@ def test_each_round_runs_every_way_under_both_allocators_and_ratios_are_per_roun
     assert lines[0].split() == ["way", "tokens/s", "(kept)", "wait", "ms", "vs", "ddp", "faults/step",
                                 "tokens/s", "(malloc)", "wait", "ms", "vs", "ddp", "faults/step"]
     assert lines[3].split() == ["zero3", "80", "2.00", "1.00x", "7", "40", "2.00", "1.00x", "3000"]
+
+
+def test_a_step_that_faults_never_reads_zero_not_below(monkeypatch):
+    """faults/step is a full run's faults less a warm-up-only run's: when the warm-up run happens to
+    fault more (noise; the steps themselves fault never), the figure is 0, not "-0" in the table."""
+    faulted = [0]
+
+    def run_train(ranks, args, log, env):
+        steps = int(args[args.index("--steps") + 1])
+        faulted[0] += 1100 if steps == 1 else 1000  # no step faults; start-ups differ by 100
+        return [{"tokens_per_s": 1e9, "comm_wait_s": 9.0}] + [{"tokens_per_s": 50.0, "comm_wait_s": 0.0}] * 3
+
+    monkeypatch.setattr(zero3, "run_train", run_train)
+    monkeypatch.setattr(zero3, "minor_page_faults", lambda who: faulted[0])
+    figures = zero3.zero3_figures(dp=2, batch_size=8, steps=4, warmup=1, rounds=1)
+    assert {f["faults_per_step"] for ways in figures.values() for f in ways.values()} == {0.0}
+    assert "-0" not in "\n".join(zero3.table(figures))
