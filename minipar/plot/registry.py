@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 from minipar.bench import canvas
-from minipar.bench.canvas import NoMatplotlib
 from minipar.trainer.arguments import OneLineParser, fail
 
 FIGURES = ("loss", "gantt", "bubble", "zero", "allreduce", "offload", "roofline",  # drawn here
@@ -35,7 +34,7 @@ def draw(name: str, argv: list[str]) -> Path:
     canvas.pyplot()  # no matplotlib: say so now, not after a figure's training runs or measurements
     module.draw(args, path)
     if not path.is_file():  # a figure that returned without drawing must not be printed as drawn
-        raise NoMatplotlib(f"no {path} was written (is matplotlib installed? pip install -e '.[viz]')")
+        raise canvas.NoMatplotlib(f"no {path} was written (is matplotlib installed? pip install -e '.[viz]')")
     return path
 
 
@@ -57,7 +56,7 @@ def main(argv) -> int:
         started = time.perf_counter()
         try:
             path = draw(name, figure_argv)
-        except (NoMatplotlib, FileNotFoundError, ValueError) as problem:
+        except (canvas.NoMatplotlib, FileNotFoundError, ValueError) as problem:
             return fail(f"minipar plot {name}", str(problem))
         print(f"plot {name}: {path} ({time.perf_counter() - started:.1f} s)", flush=True)
     return 0
