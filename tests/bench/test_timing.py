@@ -61,7 +61,9 @@ def test_each_work_follows_each_other_about_equally_often(clock):
     for before, after in zip(calls, calls[1:]):
         if before != after:
             followed[before, after] += 1
-    assert min(followed.values()) > 0.8 * max(followed.values())  # 300 rounds: about 200 of each
+    # 300 shuffled rounds: 129 to 138 of each of the 6 pairs (seed 0); a fixed order a, b, c never
+    # puts b after a's successor c, nor a after b
+    assert min(followed.values()) > 0.6 * max(followed.values())
     clock.calls.clear()
     timing.round_times(works, repeats=300)
     assert clock.calls[3:] == calls  # seeded: every rank and every run takes the same orders

@@ -197,18 +197,19 @@ def test_a_product_saves_each_factor_only_for_the_others_gradient():
     tensor not (tensor parallelism's lookup). The gradients are those of the formula."""
     x, w = leaf(0, (10, 8), 1), leaf(0, (10, 8), 2)  # 640 bytes each in float64
     mask = np.random.default_rng(3).integers(0, 2, (10, 1)).astype(np.float64)  # 80 bytes
-    for make, kept in ((lambda: x * 0.5, 0), (lambda: x * mask, 80), (lambda: mask * x, 80),
-                       (lambda: x * w, 1280)):
+    full_mask = np.broadcast_to(mask, (10, 8))
+    for make, kept, x_grad in ((lambda: x * 0.5, 0, np.full((10, 8), 0.5)), (lambda: x * mask, 80, full_mask),
+                               (lambda: mask * x, 80, full_mask), (lambda: x * w, 1280, w.data)):
         start = activation_meter.current
         y = make()
         assert activation_meter.current - start == kept
         x.grad = w.grad = None
         y.backward(np.ones((10, 8)))
         assert activation_meter.current == start
-    np.testing.assert_array_equal(x.grad, w.data)  # of the last, x * w
-    np.testing.assert_array_equal(w.grad, x.data)
-    (x * mask).backward(np.ones((10, 8)))
-    np.testing.assert_array_equal(x.grad, w.data + np.broadcast_to(mask, (10, 8)))
+        np.testing.assert_array_equal(x.grad, x_grad)
+    np.testing.assert_array_equal(w.grad, x.data)  # of the last, x * w
+    (x * mask).backward(np.ones((10, 8)))  # accumulated on top
+    np.testing.assert_array_equal(x.grad, w.data + full_mask)
 
 
 def test_a_graph_dropped_without_backward_gives_its_activation_bytes_back():

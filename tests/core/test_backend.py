@@ -200,13 +200,15 @@ def test_bench_gpu_compares_the_two_backends(capsys):
 
 
 def test_bench_gpus_deviation_is_the_largest_relative_one_of_any_step_and_any_tensor():
-    def run(losses, weights):
+    def run(losses, w, v):
         return {"records": [{"step": i, "loss": loss} for i, loss in enumerate(losses)], "losses": losses,
-                "state": {"w": numpy.array(weights), "empty": numpy.zeros(0)}}
-    numpy_run = run([2.0, 4.0, 1.0], [10.0, -20.0])
-    cupy_run = run([2.0, 4.2, 1.5], [10.0, -19.0])
+                "state": {"w": numpy.array(w), "v": numpy.array(v), "empty": numpy.zeros(0)}}
+    numpy_run = run([2.0, 4.0, 1.0], [10.0, -20.0], [100.0, 1.0])
+    cupy_run = run([2.0, 4.2, 1.5], [11.0, -20.0], [100.0, 1.5])
     # relative to the NumPy run's losses, the last step included: 0.5 of 1 (0.5 of CuPy's 1.5 would be
-    # 0.33, and step 1's 0.2 of 4 is 0.05); the weights' largest error 1 over their largest |-20|
+    # 0.33, and step 1's 0.2 of 4 is 0.05). Each tensor's largest error over its largest magnitude: w
+    # 1 of |-20|, 0.05 (element by element it would be 1 of 10, 0.1), v 0.5 of 100, 0.005 (element by
+    # element 0.5 of 1); the largest tensor's, 0.05
     assert gpu_bench.deviation(cupy_run, numpy_run) == pytest.approx({"loss": 0.5, "weight": 0.05})
     assert gpu_bench.deviation(numpy_run, numpy_run) == {"loss": 0.0, "weight": 0.0}
 

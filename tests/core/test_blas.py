@@ -98,6 +98,26 @@ def test_mkl_falls_back_to_numpy_where_it_cannot_multiply(mkl):
     assert np.array_equal(blas.matmul(ints, ints.T), ints @ ints.T)  # not a float: NumPy's
 
 
+def test_each_layout_reaches_gemm_with_its_transpose_flag_and_leading_dimension(monkeypatch):
+    """The dispatch alone, with no MKL (as in CI): a recording gemm in its place. Row-major gemm reads a
+    C-contiguous operand as it is (leading dimension: its columns) and an F-contiguous one, the
+    transpose of a C-contiguous array, transposed (leading dimension: its rows); a view that is neither,
+    and a product under the least size, go to NumPy's `@`."""
+    calls = []
+    monkeypatch.setattr(blas, "MKL_LEAST_MULTIPLY_ADDS", 1)
+    monkeypatch.setitem(blas._gemm, np.dtype(np.float64), (lambda *args: calls.append(args), 1.0, 0.0))
+    for a, b in operands(np.float64):
+        blas.matmul(a, b)
+    no, yes = blas.NO_TRANS, blas.TRANS
+    assert [(c[0], c[1], c[2], c[3], c[4], c[5], c[8], c[10], c[13]) for c in calls] == [
+        (blas.ROW_MAJOR, ta, tb, 37, 29, 53, lda, ldb, 29)
+        for ta, tb, lda, ldb in ((no, no, 53, 29), (yes, no, 37, 29), (no, yes, 53, 53), (yes, yes, 37, 53))]
+    calls.clear()
+    monkeypatch.setattr(blas, "MKL_LEAST_MULTIPLY_ADDS", 64 * 64 * 64)
+    small = blas.matmul(np.ones((64, 63)), np.ones((63, 64)))  # 64 x 64 x 63: under the least
+    assert calls == [] and np.array_equal(small, np.full((64, 64), 63.0))
+
+
 def test_an_unknown_or_missing_blas_is_refused_in_one_line(monkeypatch):
     assert "choose one of numpy, mkl" in blas.unavailable("openblas")
     monkeypatch.setattr(blas, "mkl_library", lambda: None)
