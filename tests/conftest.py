@@ -52,6 +52,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def no_matplotlib(monkeypatch):
+    """`import matplotlib` raises ImportError from now on, as where it is not installed."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+
+
+@pytest.fixture
 def comm():
     """A Comm named "world" over a private duplicate of COMM_WORLD, with a fresh ledger."""
     duplicate = WORLD.Dup()

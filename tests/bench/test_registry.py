@@ -66,20 +66,10 @@ def test_autograd_bad_numbers_exit_2_with_one_line(argv, capsys):
 
 @pytest.mark.parametrize("name", ["tracer", "simulate", "precision", "context"])
 def test_a_bench_plot_without_matplotlib_is_one_line_and_exit_2_before_it_measures(name, tmp_path, capsys,
-                                                                                   monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+                                                                                   no_matplotlib):
     png = tmp_path / "figure.png"
     assert registry.main([name, "--plot", str(png)]) == 2
     out, err = capsys.readouterr()
     assert out == f"== bench {name}\n"  # no table: it stopped before measuring, not after
     assert err == f"minipar bench {name}: error: matplotlib is not installed: pip install -e '.[viz]'\n"
     assert not png.exists()
-
-
-def test_a_figure_drawn_by_a_bench_without_matplotlib_is_the_same_one_line(tmp_path, capsys, monkeypatch):
-    from minipar.plot import registry as plot_registry
-
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert plot_registry.main(["simulate", "--out", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == ("minipar plot simulate: error: matplotlib is not installed: "
-                                       "pip install -e '.[viz]'\n")

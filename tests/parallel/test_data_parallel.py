@@ -112,14 +112,16 @@ def test_bench_dp_reports_the_ring_bytes_of_a_real_two_rank_run():
 def test_bench_dps_row_takes_the_all_reduce_probes_median_and_spread_and_none_at_one_process():
     def step(seconds):
         return {"tokens_per_s": 1 / seconds, "time_s": seconds, "comm": {"sent_bytes": 8, "messages": 2}}
-    kept = {(kind, n): [] for kind in (*data_bench.WAYS, "ceiling", "all_reduce") for n in (1, 2)}
-    kept["overlap", 1] = kept["overlap", 2] = [step(0.5), step(0.25)]
-    kept["all_reduce", 2] = [1.0, 2.0, 3.0, 10.0]  # quartiles 1.75 and 4.75 (interpolated): 2.5 ± 1.5
+    kept = {(kind, n): [] for kind in (*data_bench.WAYS, "ceiling", "all_reduce") for n in (1, 2, 4)}
+    kept["overlap", 1] = kept["overlap", 2] = kept["overlap", 4] = [step(0.5), step(0.25), step(2.0)]
+    kept["all_reduce", 2] = kept["all_reduce", 4] = [1.0, 2.0, 3.0, 10.0]  # quartiles 1.75, 4.75: 2.5 ± 1.5
     row = data_bench.size_row(2, kept, grad_bytes=16)
     assert (row["all_reduce_s"], row["all_reduce_s_spread"]) == (2.5, 1.5)
-    assert (row["step_s"], row["tokens_per_s"], row["ring_formula_bytes"]) == (0.375, 3.0, 16)
+    # medians of 0.5, 0.25, 2.0 s (the mean would be 0.917) and of 2, 4, 0.5 tokens/s (the mean 2.17)
+    assert (row["step_s"], row["tokens_per_s"], row["ring_formula_bytes"]) == (0.5, 2.0, 16)
+    assert data_bench.size_row(4, kept, grad_bytes=16)["ring_formula_bytes"] == 24  # 2 (N-1)/N x 16
     one = data_bench.size_row(1, kept, grad_bytes=16)
-    assert (one["all_reduce_s"], one["all_reduce_s_spread"]) == (0.0, 0.0)
+    assert (one["all_reduce_s"], one["all_reduce_s_spread"], one["ring_formula_bytes"]) == (0.0, 0.0, 0)
 
 
 def test_bench_dp_refuses_sizes_that_do_not_divide_the_batch(capsys):

@@ -3,7 +3,6 @@ inputs writing non-empty PNGs (serial; the measured runs themselves are `make fi
 
 import importlib
 import json
-import sys
 from fractions import Fraction
 
 import numpy as np
@@ -144,11 +143,10 @@ def test_a_figure_that_wrote_no_file_is_an_error_not_a_success(tmp_path, capsys,
 
 @pytest.mark.parametrize("name", registry.FIGURES)
 def test_without_matplotlib_every_figure_stops_with_one_line_before_it_computes(name, tmp_path, capsys,
-                                                                               monkeypatch):
+                                                                               monkeypatch, no_matplotlib):
     """plot loss trains 60 steps, plot trace measures a run: a missing matplotlib must stop them before."""
     module = importlib.import_module(f"minipar.plot.{name}")
     monkeypatch.setattr(module, "draw", lambda args, path: pytest.fail(f"plot {name} computed its figure"))
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     assert registry.main([name, "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (f"minipar plot {name}: error: matplotlib is not installed: "
                                        "pip install -e '.[viz]'\n")
