@@ -44,9 +44,11 @@ def test_pytorch_computes_the_same_mlp_gradients():
         np.testing.assert_allclose(b.grad.numpy(), gb, rtol=1e-9, atol=1e-12)
 
 
-def test_the_shallowspeed_mlp_is_the_shape_of_its_train_py(monkeypatch):
+def test_the_shallowspeed_mlp_has_its_train_pys_shape_and_both_works_the_same_gradients(monkeypatch):
     # github.com/siboehm/ShallowSpeed train.py: layer_sizes = [784, 128, 127, 126, 125, 124, 123, 10],
     # GLOBAL_BATCH_SIZE = 128, float32 data: seven Linear layers, the hidden widths made one (128)
+    built, mlp_net = [], nn.MLPNet  # the model minipar's work trains, to read its gradients
+    monkeypatch.setattr(autograd.nn, "MLPNet", lambda *a, **k: built.append(mlp_net(*a, **k)) or built[-1])
     works = autograd.mlp_works(autograd.SHALLOWSPEED_MLP, autograd.SHALLOWSPEED_BATCH, with_torch=False)
     seen = {}  # what the two works really compute on
     hand, loss = autograd.hand_written_mlp_step, autograd.F.mse_loss
@@ -55,8 +57,12 @@ def test_the_shallowspeed_mlp_is_the_shape_of_its_train_py(monkeypatch):
     monkeypatch.setattr(autograd.F, "mse_loss",
                         lambda prediction, y, reduction: seen.update(minipar=prediction) or
                         loss(prediction, y, reduction))
-    works["hand"]()
+    hand_grads = works["hand"]()[::-1]  # last layer first
     works["minipar"]()
+    works["minipar"]()  # twice: a step starts from no gradients, so they do not add up
+    for (gw, gb), layer in zip(hand_grads, built[0].layers, strict=True):  # the same products, bits too
+        np.testing.assert_array_equal(layer.linear.weight.grad, gw)
+        np.testing.assert_array_equal(layer.linear.bias.grad, gb)
     weights, x, y = seen["hand"]
     assert [w.shape for w, _ in weights] == [(128, 784)] + [(128, 128)] * 5 + [(10, 128)]
     assert x.shape == (128, 784) and y.shape == (128, 10) and x.dtype == y.dtype == np.float32
@@ -128,3 +134,39 @@ def test_linear_products_are_the_models_linear_products(monkeypatch):
             assert (layout(a), layout(b)) == (layout(ref_a), layout(ref_b)), i
             np.testing.assert_array_equal(out, ref_out)  # the same call: the same bits
             np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_pytorchs_linear_products_are_the_same_products_on_the_same_layouts():
+    """LinearProducts.torch() is the other half of the bench's BLAS share: it must run the same three
+    products per layer as minipar() does, on operands laid out the same way (a transposed operand is
+    another kernel), with the right values. Every PyTorch call it makes is recorded through
+    torch.overrides (PyTorch's own hook for this)."""
+    torch = pytest.importorskip("torch")
+    from torch.overrides import TorchFunctionMode
+
+    class Recording(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.products = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if "matmul" in getattr(func, "__name__", ""):
+                self.products.append((args[0], args[1], out))
+            return out
+
+    model = nn.GPT(nn.GPTConfig(n_layer=2, dtype="float32"), seed=0)
+    products = torch_gpt.LinearProducts(model, tokens=5)
+    products.torch()  # the first call makes the tensors
+    with Recording() as recording:
+        products.torch()
+    assert len(recording.products) == 3 * len(products.layers) == 39
+    for i, (x, w, g) in enumerate(products.layers):
+        x64, w64, g64 = (a.astype(np.float64) for a in (x, w, g))
+        expected = ((x, w.T, x64 @ w64.T), (g, w, g64 @ w64), (g.T, x, g64.T @ x64))
+        for (a, b, out), (want_a, want_b, value) in zip(recording.products[3 * i:3 * i + 3], expected):
+            for tensor, array in ((a, want_a), (b, want_b)):  # the very buffer, read the same way
+                assert tensor.data_ptr() == array.ctypes.data and tensor.shape == array.shape, i
+                assert tuple(s * array.itemsize for s in tensor.stride()) == array.strides, i
+            assert out.dtype == torch.float32
+            np.testing.assert_allclose(out.numpy(), value, rtol=1e-5, atol=1e-5 * np.abs(value).max())
