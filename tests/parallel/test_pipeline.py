@@ -211,6 +211,37 @@ def assert_matches_reference(full, check):
     assert check["max_rel_weight_deviation"] <= 1e-9, check
 
 
+def assert_messages_arrive_before_use(stage_actions):
+    """Causality across stages, read off the measured Gantt chart of a plain pipeline (F and B, one chunk).
+
+    By the definition of a pipeline, stage s's forward of micro-batch m cannot start before stage s-1's
+    forward of m has stopped (it needs that activation), nor stage s-1's backward of m before stage s's
+    has stopped (it needs that gradient). But each stage's times count from its own exit of the barrier
+    before the step, and those exits are skewed: on a 2-core machine, with 2-8 ranks, the barrier's exit
+    skew reached 5-10 ms, and runs of this test's configurations had step origins up to 3 ms apart at 2
+    ranks, 5.5 ms at 8 (a forward recorded as starting up to 5 ms before its input existed), while one
+    action lasts 10-500 us: a tolerance for the skew would pass almost any chart. So no tolerance; the
+    check asks only what skewed clocks still show, that some offset d of stage s's clock behind stage
+    s-1's (a constant: both read the one monotonic clock, perf_counter) makes every message arrive before
+    its use:
+    d >= F_{s-1}(m).stop - F_s(m).start and d <= B_{s-1}(m).start - B_s(m).stop for every m. Such a d
+    exists iff the largest lower bound is at most the smallest upper bound (a forward's gap plus a
+    backward's is free of d, at least two messages' latency: 16 us or more in the runs measured). A start
+    recorded before its receive completed breaks it; shifting all of one stage's times cannot, as that is
+    what a skewed clock does.
+    """
+    times = [{label: (start, stop) for label, start, stop in actions} for actions in stage_actions]
+    for stage in range(1, len(times)):
+        before, after = times[stage - 1], times[stage]
+        microbatches = sorted({int(label[1:]) for label in after})  # "F3" -> 3 (a chunk's "F3.1" raises)
+        behind_at_least, forward = max((before[f"F{m}"][1] - after[f"F{m}"][0], m) for m in microbatches)
+        behind_at_most, backward = min((before[f"B{m}"][0] - after[f"B{m}"][1], m) for m in microbatches)
+        assert behind_at_least <= behind_at_most, (
+            f"stages {stage - 1} and {stage}: no clock offset lets every message arrive before it is used: "
+            f"F{forward} needs stage {stage}'s clock at least {behind_at_least * 1e6:.1f} us behind stage "
+            f"{stage - 1}'s, B{backward} at most {behind_at_most * 1e6:.1f} us")
+
+
 @needs_world_size(2, 4, 8)
 @mpi_given(max_examples=12, examples=[  # edges random draws can miss: GPipe M >= 2 on 2 stages, 1F1B on 4
     at_world_size((2, 4, 8),
@@ -248,6 +279,8 @@ def test_pipeline_trains_to_the_single_process_losses_and_weights(comm, stages, 
         edges = [edge for _, start, stop in actions for edge in (start, stop)]
         assert edges == sorted(edges) and 0.0 <= edges[0] and edges[-1] <= timing["makespan_s"]
         assert sum(stop - start for _, start, stop in actions) == pytest.approx(busy, rel=1e-9)
+    # and across stages: every activation and gradient used after it was made, up to each stage's clock offset
+    assert_messages_arrive_before_use(timing["stage_action_times_s"])
 
 
 @needs_world_size(2, 4, 8)
