@@ -10,10 +10,17 @@ Python's cProfile: each Function's forward and backward (its array work), AdamW'
 bookkeeping, what is left of the forward and backward phases outside every operation: recording the
 graph, Tensors, the activation meter and the ledger listening to it. The profiler adds its own cost to
 every Python call, so bookkeeping's share reads high there; the phase times are the true ones.
-Lesson: lessons/01_autograd.md.
+
+With --torch (PyTorch installed: an optional extra, never in `make setup` nor CI) the same step of the
+same GPT written in PyTorch (bench/torch_gpt.py: minipar's weights, AdamW) runs under PyTorch's own
+profiler, and the operations of both are set side by side, each row minipar's Functions against the
+ATen kernels that do the same work (AGAINST_TORCH), the rest of each profiled step below them: where
+the one-process gap to PyTorch is (lesson 1, "Against PyTorch"). Both profilers add their own cost:
+cProfile to every Python call, PyTorch's to every kernel. Lesson: lessons/01_autograd.md.
 
     python -m minipar bench profile [--model default|wide] [--dtype float64|float32] [--batch 16]
-                                    [--recompute none|selective|full] [--repeats 10] [--top 12] [--json]
+                                    [--recompute none|selective|full] [--repeats 10] [--top 12]
+                                    [--torch] [--json]
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import pstats
 import sys
 import time
 
+from minipar.bench import torch_gpt
 from minipar.bench.timing import spread
 from minipar.core import nn, optim
 from minipar.core.autograd import Function
@@ -33,6 +41,18 @@ from minipar.memory.ledger import MemoryLedger
 from minipar.trainer.tasks import AdditionTask
 
 PHASES = ("forward", "backward", "optimizer", "communication")
+# --torch: a row of the comparison -> (minipar's operations, PyTorch's kernels doing the same work). A
+# Linear is three products (x W^T with its bias, g W, g^T x): addmm with a bias, mm without and in
+# backward. PyTorch's bias gradient is a sum outside them, in its rest; minipar's is in Linear.backward.
+AGAINST_TORCH = {
+    "Linear": (("Linear.forward", "Linear.backward"), ("aten::addmm", "aten::mm")),
+    "attention products": (("MatMul.forward", "MatMul.backward"), ("aten::bmm",)),
+    "GELU": (("GELU.forward", "GELU.backward"), ("aten::gelu", "aten::gelu_backward")),
+    "LayerNorm": (("LayerNorm.forward", "LayerNorm.backward"),
+                  ("aten::native_layer_norm", "aten::native_layer_norm_backward")),
+    "softmax": (("Softmax.forward", "Softmax.backward"), ("aten::_softmax", "aten::_softmax_backward_data")),
+    "AdamW": (("AdamW update",), ("Optimizer.step#AdamW.step",)),
+}
 MODELS = {"default": nn.GPTConfig(), "wide": nn.GPTConfig(block_size=64, d_model=256)}  # --model
 
 
@@ -121,13 +141,13 @@ def op_seconds(step: GPTStep, repeats: int) -> tuple[dict[str, float], dict[str,
 
 
 def profile_figures(dtype: str, batch: int, repeats: int, model: str = "default",
-                    recompute: str = "none") -> dict:
+                    recompute: str = "none", against_torch: bool = False) -> dict:
     step = GPTStep(dtype, batch, model, recompute)
     with MemoryLedger():  # listening, as in `minipar train`: its work is part of the step
         phases, phase_spreads = phase_seconds(step, repeats)
         ops, calls, graph_phases = op_seconds(step, repeats)
     in_ops = sum(seconds for name, seconds in ops.items() if name != "AdamW update")
-    return {
+    figures = {
         "model": {"config": f"{model} GPT", "d_model": step.model.config.d_model,
                   "seq": step.model.config.block_size, "dtype": dtype, "batch": batch, "repeats": repeats,
                   "recompute": recompute},
@@ -139,6 +159,37 @@ def profile_figures(dtype: str, batch: int, repeats: int, model: str = "default"
         "bookkeeping_s": max(graph_phases - in_ops, 0.0),
         "profiled_forward_backward_s": graph_phases,
     }
+    if against_torch:
+        figures["torch"] = torch_figures(step, figures, repeats)
+    return figures
+
+
+def torch_figures(step: GPTStep, mine: dict, repeats: int) -> dict:
+    """--torch: PyTorch's step of step's GPT under its profiler, against minipar's profiled `mine`:
+    per AGAINST_TORCH row both engines' seconds and calls per step, and each profiled step."""
+    theirs = torch_gpt.TorchGPTStep(step.model, step.tokens, step.targets)
+    seconds, calls, profiled = torch_gpt.op_seconds(theirs, repeats)
+    rows = {}
+    for row, (ours, kernels) in AGAINST_TORCH.items():
+        rows[row] = {"minipar_s": sum(mine["ops_s"].get(name, 0.0) for name in ours),
+                     "minipar_calls": sum(mine["op_calls_per_step"].get(name, 0.0) for name in ours),
+                     "torch_s": sum(seconds.get(name, 0.0) for name in kernels),
+                     "torch_kernel_calls": {name: calls.get(name, 0.0) for name in kernels}}
+    mine_profiled = mine["profiled_forward_backward_s"] + mine["ops_s"].get("AdamW update", 0.0)
+    return {"version": torch_gpt.torch_version(), "rows": rows, "torch_profiled_s": profiled,
+            "minipar_profiled_s": mine_profiled}
+
+
+def print_torch_report(t: dict) -> None:
+    print(f"against PyTorch {t['version']} on one thread, the same step under its profiler (ms per step)")
+    print(f"  {'operation':<20} {'minipar':>8} {'PyTorch':>8}  ratio")
+    rows = list(t["rows"].items())
+    rest = ("the rest", {"minipar_s": t["minipar_profiled_s"] - sum(r["minipar_s"] for _, r in rows),
+                         "torch_s": t["torch_profiled_s"] - sum(r["torch_s"] for _, r in rows)})
+    whole = ("profiled step", {"minipar_s": t["minipar_profiled_s"], "torch_s": t["torch_profiled_s"]})
+    for name, r in rows + [rest, whole]:
+        ratio = f"{r['minipar_s'] / r['torch_s']:5.2f}" if r["torch_s"] > 0 else "    -"
+        print(f"  {name:<20} {r['minipar_s'] * 1e3:8.2f} {r['torch_s'] * 1e3:8.2f}  {ratio}")
 
 
 def print_report(r: dict, top: int) -> None:
@@ -171,16 +222,27 @@ def main(argv) -> int:
                    help="activation recomputation of the model (core/recompute.py)")
     p.add_argument("--repeats", type=int, default=10, help="steps timed (median) and profiled")
     p.add_argument("--top", type=int, default=12, help="operations listed, largest first")
+    p.add_argument("--torch", action="store_true",
+                   help="set PyTorch's step beside it, op by op (PyTorch installed: an optional extra)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     for name in ("batch", "repeats", "top"):
         if getattr(args, name) < 1:
-            print(f"minipar bench profile: error: --{name} must be a positive integer, got "
-                  f"{getattr(args, name)}", file=sys.stderr)
-            return 2
-    r = profile_figures(args.dtype, args.batch, args.repeats, args.model, args.recompute)
+            return refuse(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if args.torch and torch_gpt.unavailable():
+        return refuse(f"--torch: {torch_gpt.unavailable()}")
+    if args.torch and args.recompute != "none":
+        return refuse("--torch compares the step without recomputation (PyTorch's has none)")
+    r = profile_figures(args.dtype, args.batch, args.repeats, args.model, args.recompute, args.torch)
     if args.json:
         print(json.dumps(r))
-    else:
-        print_report(r, args.top)
+        return 0
+    print_report(r, args.top)
+    if args.torch:
+        print_torch_report(r["torch"])
     return 0
+
+
+def refuse(message: str) -> int:
+    print(f"minipar bench profile: error: {message}", file=sys.stderr)
+    return 2

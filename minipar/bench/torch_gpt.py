@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import time
 
 import numpy as np
 
@@ -109,6 +110,24 @@ class TorchGPTStep:
         scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + self.mask
         y = self.torch.softmax(scores, dim=-1) @ v
         return F.linear(y.transpose(1, 2).reshape(B, T, C), p[a + "proj.weight"], p[a + "proj.bias"])
+
+
+def op_seconds(step: TorchGPTStep, repeats: int) -> tuple[dict[str, float], dict[str, float], float]:
+    """PyTorch's own profiler over `repeats` steps, after one untimed (profiled): each event's seconds
+    per step (its CPU time, what it calls included) and calls per step, keyed as the profiler names
+    them ("aten::addmm", "Optimizer.step#AdamW.step"), and the profiled seconds of a step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]):  # the profiler's first session sets itself up,
+        step()  # about 0.3 s that would land on the steps measured
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        profiled = (time.perf_counter() - started) / repeats
+    events = profiler.key_averages()
+    return ({e.key: e.cpu_time_total * 1e-6 / repeats for e in events},  # the profiler's unit is the µs
+            {e.key: e.count / repeats for e in events}, profiled)
 
 
 class TorchMLPStep:
