@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import socket
 import time
 from fractions import Fraction
 from typing import TYPE_CHECKING
@@ -210,7 +211,7 @@ class PipelineRunner(Runner):
         self.received_early = 0
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
         self.action_times = []
-        self.comm.barrier()  # every stage's clock starts together, so the makespan is common
+        self.comm.barrier()  # the stages start together, to within the barrier's exit (record_timing)
         started = self.step_started = time.perf_counter()
         for k, action in enumerate(self.actions):
             if self.early_receives and k + 1 < len(self.actions):
@@ -326,9 +327,20 @@ class PipelineRunner(Runner):
         self.action_times.append([str(action), started - self.step_started, stopped - self.step_started])
 
     def record_timing(self, wall_s: float):
-        """Gather every stage's compute time; bubble = idle share of stages x makespan (uncharged control)."""
-        mine = (self.compute_s["F"], self.compute_s["B"] + self.compute_s["W"], wall_s, self.action_times)
-        forward, backward, walls, actions = zip(*self.comm.allgather_obj(mine))
+        """Gather every stage's compute time; bubble = idle share of stages x makespan (uncharged control).
+
+        The stages leave the barrier before the step at slightly different times: microseconds, but
+        milliseconds on a loaded machine, where a process waits for a core. On one host every process
+        reads the same monotonic clock (perf_counter), so each stage's times are moved onto the first
+        stage's start: the chart is then causal to the microsecond and the makespan runs from the first
+        start to the last stop. Across hosts the clocks are not comparable, and each stage's times stay
+        counted from its own start ("time_base" says which)."""
+        mine = (self.compute_s["F"], self.compute_s["B"] + self.compute_s["W"], wall_s, self.action_times,
+                self.step_started, socket.gethostname())
+        forward, backward, own_walls, own_actions, starts, hosts = zip(*self.comm.allgather_obj(mine))
+        shared = len(set(hosts)) == 1
+        walls, actions = (from_the_first_start(starts, own_walls, own_actions) if shared
+                          else (list(own_walls), list(own_actions)))
         busy = [f + b for f, b in zip(forward, backward)]
         makespan = max(walls)
         self.last_timing = {
@@ -340,13 +352,23 @@ class PipelineRunner(Runner):
             "stage_backward_s": list(backward),
             "stage_busy_s": busy,
             "makespan_s": makespan,
-            "stage_action_times_s": list(actions),  # per stage: [label, start, stop] in seconds
+            "stage_action_times_s": actions,  # per stage: [label, start, stop] in seconds
+            "time_base": "shared" if shared else "per stage",
             "bubble_measured": 1.0 - sum(busy) / (self.stages * makespan),
             "bubble_formula": float(bubble_formula(self.stages, self.microbatches, self.virtual_stages,
                                                    self.split_backward)),
             "formula": "(K-1)/(3M+K-1)" if self.split_backward else
                        "(K-1)/(VM+K-1)" if self.virtual_stages > 1 else "(K-1)/(M+K-1)",
         }
+
+
+def from_the_first_start(starts, walls, actions) -> tuple[list, list]:
+    """Each stage's wall time and actions ([label, start, stop]), counted from its own start (`starts`,
+    on one clock), counted instead from the first stage's."""
+    shifts = [start - min(starts) for start in starts]
+    return ([shift + wall for shift, wall in zip(shifts, walls)],
+            [[[label, begin + shift, end + shift] for label, begin, end in stage]
+             for stage, shift in zip(actions, shifts)])
 
 
 def config_errors(cfg) -> list[str]:

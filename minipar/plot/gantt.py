@@ -115,8 +115,9 @@ def draw(args, path: Path) -> None:
     plt = canvas.pyplot()
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.2 + 1.1 * stages))
     draw_bars(top, measured, stages, scale=1e3)
+    clock = "one clock" if timing.get("time_base") == "shared" else "each rank's clock"  # older logs: own
     top.set(xlabel="ms from the step's start", title=f"measured: {schedule}, K={stages}, M={microbatches}, "
-            f"bubble {timing['bubble_measured']:.3f} (the last step; each rank's clock)")
+            f"bubble {timing['bubble_measured']:.3f} (the last step; {clock})")
     draw_bars(bottom, simulated, stages)
     costs = "F = B = W = 1" if backward == 1 else "F = 1, B = 2"
     bottom.set(xlabel=f"time units ({costs})", title=f"simulated {schedule}: bubble "
