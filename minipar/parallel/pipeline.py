@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import socket
 import time
 from fractions import Fraction
 from typing import TYPE_CHECKING
@@ -336,9 +335,10 @@ class PipelineRunner(Runner):
         start to the last stop. Across hosts the clocks are not comparable, and each stage's times stay
         counted from its own start ("time_base" says which)."""
         mine = (self.compute_s["F"], self.compute_s["B"] + self.compute_s["W"], wall_s, self.action_times,
-                self.step_started, socket.gethostname())
-        forward, backward, own_walls, own_actions, starts, hosts = zip(*self.comm.allgather_obj(mine))
-        shared = len(set(hosts)) == 1
+                self.step_started)
+        forward, backward, own_walls, own_actions, starts = zip(*self.comm.allgather_obj(mine))
+        nodes = self.comm.nodes  # the grid's: each member's MPI processor name (None: one node)
+        shared = nodes is None or len(set(nodes)) == 1
         walls, actions = (from_the_first_start(starts, own_walls, own_actions) if shared
                           else (list(own_walls), list(own_actions)))
         busy = [f + b for f, b in zip(forward, backward)]
