@@ -50,7 +50,8 @@ AGAINST_TORCH = {
     "GELU": (("GELU.forward", "GELU.backward"), ("aten::gelu", "aten::gelu_backward")),
     "LayerNorm": (("LayerNorm.forward", "LayerNorm.backward"),
                   ("aten::native_layer_norm", "aten::native_layer_norm_backward")),
-    "softmax": (("Softmax.forward", "Softmax.backward"), ("aten::_softmax", "aten::_softmax_backward_data")),
+    "softmax": (("CausalSoftmax.forward", "Softmax.backward"),  # its backward is Softmax's, inherited
+                ("aten::_softmax", "aten::_softmax_backward_data")),
     "AdamW": (("AdamW update",), ("Optimizer.step#AdamW.step",)),
 }
 MODELS = {"default": nn.GPTConfig(), "wide": nn.GPTConfig(block_size=64, d_model=256)}  # --model

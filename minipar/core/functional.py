@@ -4,8 +4,8 @@ Three files hold them, each operation a `Function` with its forward and backward
 tensor_ops.py  the algebra: add, sub, mul, div, neg, pow, matmul, linear, sum, mean, max, exp, log,
                tanh, relu;
 shape_ops.py   reshape, transpose, indexing and slicing, concatenate;
-layer_ops.py   what layers need: gelu, softmax, log_softmax, cross_entropy, mse_loss, layer_norm,
-               embedding, dropout.
+layer_ops.py   what layers need: gelu, softmax, causal_softmax, log_softmax, cross_entropy, mse_loss,
+               layer_norm, embedding, dropout.
 Lesson: lessons/01_autograd.md.
 """
 
@@ -13,12 +13,14 @@ from minipar.core.autograd import register_tensor_operators
 from minipar.core.layer_ops import (  # noqa: F401
     GELU,
     GELU_C,
+    CausalSoftmax,
     CrossEntropy,
     Dropout,
     Embedding,
     LayerNorm,
     LogSoftmax,
     Softmax,
+    causal_softmax,
     cross_entropy,
     dropout,
     embedding,

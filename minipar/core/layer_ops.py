@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import numpy
+
 from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import xp_of
 from minipar.core.tensor_ops import mul, sub, sum
@@ -118,6 +120,31 @@ class Softmax(Function):
         # end exercise
 
 
+class CausalSoftmax(Softmax):
+    """softmax(scores + causal mask) along the last axis in one op, as in Megatron's fused kernel: query
+    i of the (..., T, T) scores sees keys 0..i. The plain form, two ops:
+        mask = triu(full((T, T), -inf), k=1);  softmax(scores + mask)
+    Here the mask is never added: the row maximum and the exponential skip the masked entries (NumPy's
+    `where=`), which are set to 0, what exp(-inf) gives; the backward is softmax's. The same bits
+    (tests/core/test_speed_forms.py). What it saves: the mask's addition, a pass over the scores, and
+    in fp64 NumPy's slow path for exponentials that underflow (`exp(-inf)` costs several times a finite
+    one). CuPy's max has no `where=`: on a GPU the plain form runs. Lesson: lessons/01_autograd.md."""
+
+    @staticmethod
+    def forward(ctx, scores):  # type: ignore[override]  # no axis to choose: the mask is (T, T), the last two
+        xp, T = xp_of(scores), scores.shape[-1]
+        if xp is not numpy:
+            return Softmax.forward(ctx, scores + xp.triu(xp.full((T, T), -xp.inf, scores.dtype), k=1))
+        keep = xp.tri(T, dtype=bool)  # query i, key j <= i
+        out = scores - scores.max(axis=-1, keepdims=True, where=keep, initial=-xp.inf)
+        xp.exp(out, out=out, where=keep)
+        xp.copyto(out, 0.0, where=~keep)
+        out /= out.sum(axis=-1, keepdims=True)
+        ctx.save_for_backward(out)
+        ctx.axis = -1
+        return out
+
+
 class LogSoftmax(Function):
     @staticmethod
     def forward(ctx, a, axis=-1):
@@ -221,6 +248,11 @@ class Dropout(Function):
 
 def softmax(a, axis=-1):
     return Softmax.apply(a, axis)
+
+
+def causal_softmax(scores):
+    """softmax(scores + causal mask) over the last axis of (..., T, T) scores (CausalSoftmax)."""
+    return CausalSoftmax.apply(scores)
 
 
 def log_softmax(a, axis=-1):

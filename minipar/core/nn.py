@@ -75,10 +75,8 @@ def causal_attention(q, k, v, n_head: int):
         return t.reshape(B, T, n_head, hd).transpose(0, 2, 1, 3)
 
     q, k, v = heads(q), heads(k), heads(v)
-    xp = current_backend().xp
-    mask = xp.triu(xp.full((T, T), -xp.inf, dtype=q.dtype), k=1)
-    scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hd)) + mask
-    y = F.softmax(scores, axis=-1) @ v
+    scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hd))
+    y = F.causal_softmax(scores) @ v  # softmax(scores + mask), mask -inf above the diagonal, in one op
     return y.transpose(0, 2, 1, 3).reshape(B, T, C)
 
 

@@ -38,7 +38,7 @@ def test_a_recomputed_part_counts_its_operations_twice_and_once_only_in_the_tota
         r = json.loads(capsys.readouterr().out)
         calls = r["op_calls_per_step"]
         assert r["model"]["recompute"] == mode and not any(name.startswith("Recompute") for name in calls)
-        assert calls["Softmax.forward"] == 2 * layers and calls["MatMul.forward"] == 4 * layers
+        assert calls["CausalSoftmax.forward"] == 2 * layers and calls["MatMul.forward"] == 4 * layers
         assert calls["Linear.forward"] == (12 * layers + 1 if mode == "full" else 6 * layers + 1)
         assert calls["Linear.backward"] == 6 * layers + 1
         in_ops = sum(s for name, s in r["ops_s"].items() if name != "AdamW update")

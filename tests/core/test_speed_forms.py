@@ -172,3 +172,45 @@ def test_softmax_and_layer_norm_in_place_give_the_plain_forms_bits(dtype):
     want_y, want_gx = plain_layer_norm(x, w, b, g)
     assert y.data.dtype == dtype and np.array_equal(y.data, want_y)
     assert np.array_equal(xt.grad, want_gx)
+
+
+def plain_causal_softmax(scores, g):
+    """softmax(scores + mask) and its gradient, as the two ops (add, softmax) give them."""
+    T = scores.shape[-1]
+    probs = plain_softmax(scores + np.triu(np.full((T, T), -np.inf, scores.dtype), k=1), -1)
+    return probs, probs * (g - (g * probs).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_softmax_in_one_op_gives_the_two_ops_bits(dtype):
+    rng = np.random.default_rng(9)
+    scores = (4 * rng.standard_normal((2, 3, 7, 7))).astype(dtype)
+    g = rng.standard_normal(scores.shape).astype(dtype)
+    x = Tensor(scores, True)
+    y = F.causal_softmax(x)
+    y.backward(g)
+    want, want_grad = plain_causal_softmax(scores, g)
+    assert y.data.dtype == x.grad.dtype == dtype
+    assert np.array_equal(y.data, want) and np.array_equal(x.grad, want_grad)
+    above = np.triu(np.ones((7, 7), bool), k=1)
+    assert not y.data[..., above].any() and np.all(y.data[..., ~above] > 0)  # a query sees no later key
+
+
+def test_causal_softmax_on_a_device_runs_the_plain_form_with_the_same_bits():
+    from fake_device import fake_cupy
+
+    from minipar.core import backend
+
+    rng = np.random.default_rng(10)
+    scores, g = rng.standard_normal((2, 2, 5, 5)), rng.standard_normal((2, 2, 5, 5))
+    with fake_cupy():
+        be = backend.set_backend("cupy")
+        try:
+            x = Tensor(be.from_host(scores), True)
+            y = F.causal_softmax(x)
+            y.backward(be.from_host(g))
+            on_device = be.to_host(y.data), be.to_host(x.grad)
+        finally:
+            backend.set_backend("numpy")
+    want, want_grad = plain_causal_softmax(scores, g)
+    assert np.array_equal(on_device[0], want) and np.array_equal(on_device[1], want_grad)
