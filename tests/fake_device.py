@@ -7,6 +7,7 @@
 
 The arrays keep their values in a private NumPy array, but at the edges behave as CuPy's do, only
 stricter, so that any path that would break on a GPU breaks here:
+- no `where=` nor `initial=` in max and min, which CuPy's reductions lack;
 - no buffer protocol: MPI refuses them, so a collective that forgot to stage fails at once;
 - no implicit conversion: numpy.asarray(a) raises TypeError, as in CuPy;
 - no mixing with NumPy arrays in arithmetic or in xp functions (TypeError, as in CuPy);
@@ -31,6 +32,14 @@ from minipar.core import backend
 
 # Functions that build arrays from shapes and numbers, not from arrays.
 CREATION = {"empty", "zeros", "ones", "full", "arange", "eye", "identity", "linspace", "tri"}
+# NumPy arguments CuPy's reductions lack (cupy issue #6692): `a.max(where=..., initial=...)` raises there
+NOT_IN_CUPY = {name: {"where", "initial"} for name in ("max", "min", "amax", "amin")}
+
+
+def _refuse_what_cupy_lacks(name: str, kwargs: dict) -> None:
+    missing = NOT_IN_CUPY.get(name, set()) & kwargs.keys()
+    if missing:
+        raise TypeError(f"fake cupy: {name} has no {', '.join(sorted(missing))} argument, as in CuPy")
 
 
 class Device:
@@ -148,6 +157,7 @@ class ndarray(NDArrayOperatorsMixin):  # noqa: N801 - CuPy's name
             return _wrap(attribute)
 
         def method(*args, **kwargs):
+            _refuse_what_cupy_lacks(name, kwargs)
             return _wrap(attribute(*_unwrap(args, name), **_unwrap(kwargs, name)))
 
         return method
@@ -195,6 +205,7 @@ def _numpy_function(name: str):
     function = getattr(numpy, name)
 
     def on_device(*args, **kwargs):
+        _refuse_what_cupy_lacks(name, kwargs)
         if name not in CREATION:
             first = args[0] if args else None
             arrays = first if isinstance(first, (list, tuple)) else [first]

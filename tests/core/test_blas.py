@@ -106,16 +106,21 @@ def test_each_layout_reaches_gemm_with_its_transpose_flag_and_leading_dimension(
     calls = []
     monkeypatch.setattr(blas, "MKL_LEAST_MULTIPLY_ADDS", 1)
     monkeypatch.setitem(blas._gemm, np.dtype(np.float64), (lambda *args: calls.append(args), 1.0, 0.0))
-    for a, b in operands(np.float64):
+    pairs = list(operands(np.float64))
+    for a, b in pairs:
         blas.matmul(a, b)
     no, yes = blas.NO_TRANS, blas.TRANS
     assert [(c[0], c[1], c[2], c[3], c[4], c[5], c[8], c[10], c[13]) for c in calls] == [
         (blas.ROW_MAJOR, ta, tb, 37, 29, 53, lda, ldb, 29)
         for ta, tb, lda, ldb in ((no, no, 53, 29), (yes, no, 37, 29), (no, yes, 53, 53), (yes, yes, 37, 53))]
+    to_gemm = [(a, b) for a, b in pairs if a.flags.forc and b.flags.forc]  # the strided view goes to `@`
+    assert [(c[7].value, c[9].value) for c in calls] == [(a.ctypes.data, b.ctypes.data) for a, b in to_gemm]
     calls.clear()
     monkeypatch.setattr(blas, "MKL_LEAST_MULTIPLY_ADDS", 64 * 64 * 64)
     small = blas.matmul(np.ones((64, 63)), np.ones((63, 64)))  # 64 x 64 x 63: under the least
     assert calls == [] and np.array_equal(small, np.full((64, 64), 63.0))
+    blas.matmul(np.ones((64, 64)), np.ones((64, 64)))  # 64 x 64 x 64: the least itself goes to gemm
+    assert len(calls) == 1
 
 
 def test_an_unknown_or_missing_blas_is_refused_in_one_line(monkeypatch):

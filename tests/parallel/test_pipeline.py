@@ -305,8 +305,10 @@ def test_a_stage_that_starts_late_is_charted_late_and_idle_on_one_clock(comm, mo
     assert timing["time_base"] == "shared"
     assert_messages_arrive_before_use(timing["stage_action_times_s"], shared_clock=True)
     stage_0, stage_1 = timing["stage_action_times_s"]
-    assert stage_1[0][1] >= LATE_S and stage_0[0][1] < LATE_S  # stage 0's first forward needs nobody
-    assert timing["makespan_s"] >= LATE_S + sum(stop - start for _, start, stop in stage_1)
+    # 0.8 LATE_S: stage 0 too may leave the barrier late, by up to milliseconds on a loaded machine;
+    # counted from stage 1's own start, its first action would read about 0
+    assert stage_1[0][1] >= 0.8 * LATE_S and stage_0[0][1] < LATE_S  # stage 0's first forward needs nobody
+    assert timing["makespan_s"] >= 0.8 * LATE_S + sum(stop - start for _, start, stop in stage_1)
     assert timing["bubble_measured"] > 0.5  # both stages wait out LATE_S, far above their tiny compute
     # said to be on two nodes, whose clocks cannot be compared: each stage keeps its own start
     monkeypatch.setattr(runner.comm, "nodes", ["node-a", "node-b"])
