@@ -10,8 +10,9 @@ one call on the whole arrays (tests/core/test_speed_forms.py).
 What it saves: about half of GELU's time on the wide GPT's (16, 64, 1024) activations; AdamW's update,
 memory-bound inside a real step, only about 5% (11.5 to 11.0 ms on the wide GPT; lesson 01, "The
 cuts"). What it costs: one Python
-loop step per tile (tiles are not tiny for that reason), and nothing at all below one tile: LayerNorm's
-and softmax's arrays fit in the cache already and gain nothing, measured, so they are not tiled.
+loop step per tile (tiles are not tiny for that reason), and nothing at all below one tile. LayerNorm
+and softmax are not tiled: the default GPT's arrays are under a tile, and on the wide GPT LayerNorm in
+row tiles, tried, ran faster alone but made no faster step (lesson 01, exercise 12).
 On a GPU (CuPy arrays) each rule runs on the whole arrays: there is no cache to fit. Lesson:
 lessons/01_autograd.md.
 """
