@@ -111,21 +111,25 @@ def console_commands(source: str) -> list[tuple[str, str]]:
 def run_console(example: Example) -> str | None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "200"}
-    for command, expected in example.parsed:
+    arguments, commands = example.parsed
+    for command, expected in commands:
         # stdout only: progress lines go to stderr (a block shows an error message with 2>&1)
         done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=250)
-        if not matches(expected, done.stdout):
+        if not matches(expected, done.stdout, **parse_options(arguments)):
             stderr = f"\n(its stderr:)\n{done.stderr[-2000:]}" if done.stderr else ""
             return difference(expected, done.stdout, f"{example.path}:{example.line}: $ {command}") + stderr
     return None
 
 
 def parse_consoles(document) -> list[Region]:
+    lexer = FencedCodeBlockLexer(r"console(?:[ \t][^\n]*)?",
+                                 mapping={"language": "language", "source": "source"})
     regions = []
-    for region in CodeBlockParser("console", run_console)(document):
+    for region in lexer(document):
         body = fence_body(document, region)
-        region.parsed = console_commands(body)
+        region.parsed = (region.lexemes["language"][len("console"):], console_commands(body))
+        region.evaluator = run_console
         regions.append(region)
     return regions
 

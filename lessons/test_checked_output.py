@@ -20,11 +20,12 @@ def checked_blocks():
         text = path.read_text()
         for m in FENCED.finditer(text):
             line = text.count("\n", 0, m.start()) + 1
+            rtol = parse_options(m.group("arguments")).get("rtol")
             if m.group("language") == "console":
                 for _, expected in console_commands(m.group("body")):
-                    yield path.name, line, expected, None
+                    yield path.name, line, expected, rtol
             else:
-                yield path.name, line, m.group("body"), parse_options(m.group("arguments")).get("rtol")
+                yield path.name, line, m.group("body"), rtol
         for m in TABLE.finditer(text):
             yield (path.name, text.count("\n", 0, m.start()) + 1, m.group("table"),
                    parse_options(m.group("arguments")).get("rtol"))
@@ -38,7 +39,7 @@ def one_digit_changed(text: str):
 
 
 FENCE_OPENING = re.compile(r"^(?P<fence>```+)(?P<info>[^\n`]*)$", re.M)
-KNOWN = re.compile(r"python|python notest|python excerpt \S+|output( rtol=\S+)?|console|text|bash")
+KNOWN = re.compile(r"python|python notest|python excerpt \S+|(output|console)( rtol=\S+)?|text|bash")
 
 
 def test_every_fence_says_what_it_is():
@@ -90,6 +91,17 @@ def test_rtol_compares_numbers_and_the_text_between_them():
     assert matches("loss 2.000000001, 7 ranks", "loss 2.000000002, 7 ranks", rtol=1e-6)
     assert not matches("loss 2.0, 7 ranks", "loss 2.1, 7 ranks", rtol=1e-6)
     assert not matches("loss 2.0, 7 ranks", "loss 2.0, 7 nodes", rtol=1e-6)
+    assert not matches("loss 2.0", "loss 2.01", rtol=1e-6)  # a number is compared whole, not its start
+    assert not matches("loss 2.0", "loss 2.0 3", rtol=1e-6)
+
+
+def test_ellipsis_and_rtol_together():
+    """`...` is any text, the numbers outside it are compared within rtol, and nothing inside it is."""
+    shown = "loss 0.4939 at 60\nlargest difference ...% (at most 1%)\n"
+    assert matches(shown, "loss 0.494 at 60\nlargest difference 0.57% (at most 1%)", rtol=1e-3)
+    assert not matches(shown, "loss 0.499 at 60\nlargest difference 0.57% (at most 1%)", rtol=1e-3)
+    assert not matches(shown, "loss 0.4939 at 60\nlargest difference 1.2% (at most 2%)", rtol=1e-3)
+    assert not matches(shown, "loss 0.4939 at 61\nlargest difference 0.57% (at most 1%)", rtol=1e-3)
     with pytest.raises(ValueError):
         parse_options("atol=1")
 
