@@ -1,4 +1,4 @@
-# minipar: make test | make demo | make bench | make figures | make lint | make lessons | make multinode | make course-selftest
+# minipar: make test | make demo | make bench | make figures | make lint | make lessons | make portability | make multinode | make course-selftest
 # Every target builds .venv first if needed, and reinstalls only when pyproject.toml changed.
 
 SHELL := /bin/bash
@@ -17,7 +17,7 @@ export MKL_NUM_THREADS ?= 1
 START := $(shell date +%s)
 say = echo "[make] $(1): $$(( $$(date +%s) - $(2) )) s"
 
-.PHONY: test demo bench figures lint lessons setup multinode course-selftest
+.PHONY: test demo bench figures lint lessons portability setup multinode course-selftest
 
 setup: $(INSTALLED)
 
@@ -42,6 +42,13 @@ test: lint
 lessons: $(INSTALLED)
 	@t=$$(date +%s); $(PYTHON) -m pytest -q lessons/; s=$$?; \
 	  $(call say,lessons,$$t); exit $$s
+
+# The lessons and the serial tests again under every OpenBLAS matrix kernel this CPU can run and with
+# NumPy's SIMD levels turned off one by one (tests/portability.py): a figure a lesson checks must not
+# depend on the CPU. Not part of make test (5 configurations on an AVX2 machine, about 20 minutes).
+portability: $(INSTALLED)
+	@t=$$(date +%s); $(PYTHON) tests/portability.py $(if $(PHASES),--phases $(PHASES)); s=$$?; \
+	  $(call say,portability,$$t); exit $$s
 
 # The main job: the default GPT on 8 ranks, 2 data-parallel replicas of a 2-stage pipeline whose
 # stages are split over 2 tensor-parallel ranks, ZeRO-1 on top; checked against one process.
