@@ -15,10 +15,11 @@ number fails. Two ways to mark what a machine changes, each visible in the lesso
 
 - `...` stands for any text, as in doctest's ELLIPSIS (timings: `step ... ms`);
 - `output rtol=1e-6` (or `<!-- output rtol=1e-6 -->`, or `console rtol=1e-6`) compares every number
-  within that relative tolerance and the text between numbers exactly, `...` still standing for any
-  text. OpenBLAS picks its matrix kernel by CPU and NumPy its SIMD loops, so the last bits of a float
-  differ between machines: a figure that depends on them is either computed in a fixed order or shown
-  within a tolerance measured over the kernels (`make portability`), never as one machine's digits.
+  within that relative tolerance and the text between numbers exactly (a run of spaces matching any
+  run of spaces: columns pad a shorter number), `...` still standing for any text. OpenBLAS picks its
+  matrix kernel by CPU and NumPy its SIMD loops, so the last bits of a float differ between machines:
+  a figure that depends on them is either computed in a fixed order or shown within a tolerance
+  measured over the kernels (`make portability`), never as one machine's digits.
 
 A ```python excerpt minipar/x.py block must be in that file word for word (indentation and blank lines
 aside); a line `...` stands for lines left out, so an excerpt can skip the parts the lesson does not need.
@@ -54,10 +55,12 @@ def parse_options(arguments: str) -> dict[str, float]:
 
 
 def _text_and_numbers(part: str) -> str:
-    """A regex for `part`: its text as written, each number a group that matches one whole number."""
+    """A regex for `part`: its text as written, each number a group that matches one whole number. A
+    run of spaces matches any run of spaces: a right-aligned column pads 0.43 where it printed 0.4296."""
     pieces = NUMBER.split(part)
     numbers = [rf"({NUMBER.pattern})(?!\d)" for _ in pieces[1:]]
-    return "".join(re.escape(text) + number for text, number in zip(pieces, numbers + [""]))
+    texts = [" +".join(re.escape(word) for word in re.split(" +", text)) for text in pieces]
+    return "".join(text + number for text, number in zip(texts, numbers + [""]))
 
 
 def _numbers_close(expected: str, printed: str, rtol: float) -> bool:

@@ -102,6 +102,9 @@ def test_ellipsis_and_rtol_together():
     assert not matches(shown, "loss 0.499 at 60\nlargest difference 0.57% (at most 1%)", rtol=1e-3)
     assert not matches(shown, "loss 0.4939 at 60\nlargest difference 1.2% (at most 2%)", rtol=1e-3)
     assert not matches(shown, "loss 0.4939 at 61\nlargest difference 0.57% (at most 1%)", rtol=1e-3)
+    # a right-aligned column pads a shorter number: spaces are layout, but not their absence
+    assert matches("  1.461  2\n", "   1.46  2\n", rtol=1e-2)
+    assert not matches("1.46 2", "1.462", rtol=1e-2)
     with pytest.raises(ValueError):
         parse_options("atol=1")
 
