@@ -62,20 +62,20 @@ multinode: $(INSTALLED)
 	cd tests/multinode && NODES=$(or $(NODES),2) ../../$(PYTHON) cluster.py
 
 # Every exercise of the coursework (lessons/course.md): in a fresh workspace its checks fail on the stub
-# and pass once the reference's files are copied back (minipar/course/selftest.py; a few minutes).
+# and pass once the reference's files are copied back (minipar_lab/course/selftest.py; a few minutes).
 course-selftest: $(INSTALLED)
-	@t=$$(date +%s); $(PYTHON) -m minipar.course.selftest; s=$$?; $(call say,course selftest,$$t); exit $$s
+	@t=$$(date +%s); $(PYTHON) -m minipar_lab.course.selftest; s=$$?; $(call say,course selftest,$$t); exit $$s
 
 bench: $(INSTALLED)
 	$(PYTHON) -m minipar bench all
 
-# Every picture the lessons embed, redrawn from short fresh runs (minipar/plot; under a minute).
+# Every picture the lessons embed, redrawn from short fresh runs (minipar_lab/plot; under a minute).
 figures: $(INSTALLED)
 	@t=$$(date +%s); $(PYTHON) -m minipar plot all --out lessons/figures; s=$$?; \
 	  $(call say,figures,$$t); exit $$s
 
 # ruff (style), lint-imports (imports point down the layers, no cycles inside one: [tool.importlinter]) and
-# mypy (core, dist, parallel: [tool.mypy]). All three run even when one fails, so one pass shows everything.
+# mypy (core, distributed, parallel: [tool.mypy]). All three run even when one fails, so one pass shows everything.
 lint: $(INSTALLED)
 	@t=$$(date +%s); s=0; \
 	  $(VENV)/bin/ruff check minipar tests lessons || s=1; \

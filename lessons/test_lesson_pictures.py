@@ -8,7 +8,7 @@ import importlib
 import re
 from pathlib import Path
 
-from minipar.plot import registry
+from minipar_lab.plot import registry
 
 LESSONS = Path(__file__).parent
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")  # alt text may span lines
@@ -24,7 +24,7 @@ def embedded() -> dict[str, list[str]]:
 
 
 def test_every_embedded_picture_exists_and_plot_all_draws_it():
-    drawn = {importlib.import_module(f"minipar.plot.{name}").FILE for name in registry.FIGURES}
+    drawn = {importlib.import_module(f"minipar_lab.plot.{name}").FILE for name in registry.FIGURES}
     images = embedded()
     assert images, "no lesson embeds a picture"
     for path, lessons in images.items():

@@ -1,34 +1,41 @@
 """`python -m minipar train | plan | schedule | simulate | bench | course | plot` (or the script `minipar`).
 
-The command line's front door, above every layer (bench included): it only dispatches. Bad input ends
-every rank with one line naming the problem and exit code 2, before any collective: every rank parses
-and validates the same arguments on its own, so no rank waits for another. Every command first keeps
-freed memory in the process (core/allocator.py: no page faults for each step's fresh activations) and
-takes the BLAS that MINIPAR_BLAS names (core/blas.py: NumPy's by default, or Intel's MKL).
+The command line's front door, above every layer: it only dispatches. `bench`, `plot` and `course` are
+the lab's (minipar_lab, a sibling package: the reference never imports it): they are found through the
+entry points of the group `minipar.commands`, and without the lab each says so in one line, exit 2.
+Bad input ends every rank with one line naming the problem and exit code 2, before any collective:
+every rank parses and validates the same arguments on its own, so no rank waits for another. Every
+command first keeps freed memory in the process (core/allocator.py: no page faults for each step's
+fresh activations) and takes the BLAS that MINIPAR_BLAS names (core/blas.py: NumPy's by default, or
+Intel's MKL).
 Lesson: lessons/00_overview.md.
 """
 
 from __future__ import annotations
 
 import sys
+from importlib.metadata import entry_points
 
-from minipar.bench import registry
 from minipar.core import blas
 from minipar.core.allocator import keep_freed_memory
-from minipar.course import command as course
-from minipar.plot import registry as plot_registry
 from minipar.trainer import commands
 from minipar.trainer.arguments import fail
 
-COMMANDS = {
+REFERENCE_COMMANDS = {
     "train": commands.train_main,
     "plan": commands.plan_main,
     "schedule": commands.schedule_main,
     "simulate": commands.simulate_main,
-    "bench": registry.main,
-    "course": course.main,
-    "plot": plot_registry.main,
 }
+LAB_COMMANDS = ("bench", "course", "plot")  # minipar_lab's, through its entry points
+LAB_GROUP = "minipar.commands"
+COMMANDS = (*REFERENCE_COMMANDS, *LAB_COMMANDS)
+
+
+def lab_command(name: str):
+    """The lab's `main` for the command `name`, or None when no installed package provides it."""
+    found = [point for point in entry_points(group=LAB_GROUP) if point.name == name]
+    return found[0].load() if found else None
 
 
 def main(argv=None) -> int:
@@ -43,4 +50,10 @@ def main(argv=None) -> int:
         blas.use_from_env()
     except ValueError as why:  # every rank reads the same variable: all of them stop here, at once
         return fail("minipar", str(why))
-    return COMMANDS[argv[0]](argv[1:])
+    if argv[0] in REFERENCE_COMMANDS:
+        return REFERENCE_COMMANDS[argv[0]](argv[1:])
+    command = lab_command(argv[0])
+    if command is None:
+        return fail("minipar", f"`{argv[0]}` is a command of the lab (minipar_lab), which is not installed: "
+                               "run `pip install -e .` in the repository (make setup)")
+    return command(argv[1:])

@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import sys
 
-# A collective that waits longer than this fails (the reliability layer's limit, minipar/dist/comm.py),
-# so a deadlocked test ends in seconds; set before minipar is imported, unless the caller chose one.
+# A collective that waits longer than this fails (the reliability layer's limit,
+# minipar/distributed/watchdog.py), so a deadlocked test ends in seconds; set before minipar is imported,
+# unless the caller chose one.
 os.environ.setdefault("MINIPAR_COLLECTIVE_TIMEOUT", "30")
 
 import mpi_harness  # noqa: E402
@@ -23,7 +24,8 @@ import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from minipar.dist.comm import Comm, TrafficLedger  # noqa: E402
+from minipar.distributed.communicator import Comm  # noqa: E402
+from minipar.distributed.ledger import TrafficLedger
 
 WORLD = MPI.COMM_WORLD
 

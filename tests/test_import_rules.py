@@ -1,5 +1,6 @@
 """The import rule bites: `lint-imports` with the project's own contracts ([tool.importlinter] in
-pyproject.toml), run on a copy of minipar into which each kind of violation is planted.
+pyproject.toml), run on a copy of minipar and minipar_lab into which each kind of violation is planted;
+and ruff's banned import, which keeps the lab out of every test but the lab's own.
 
 `make lint` checks the real tree; this test checks the contracts themselves, so that a contract which
 silently stopped checking (a layer order turned round, a cycle check too shallow, a forbidden list that
@@ -30,18 +31,27 @@ PLANTED = {
                       "minipar.core.nn -> minipar.trainer.loop"),
     "sibling import": ("memory/ledger.py", inside_a_function("import minipar.fusion.ir"),
                        "minipar.memory.ledger -> minipar.fusion.ir"),
-    "cycle inside a package": ("dist/comm.py", inside_a_function("import minipar.dist.collectives"),
-                               "No cycles are allowed in minipar.dist."),
-    "comm importing autograd": ("dist/comm.py", inside_a_function("import minipar.core.autograd"),
-                                "minipar.dist is not allowed to import minipar.core.autograd"),
+    "cycle inside a package": ("distributed/communicator.py",
+                               inside_a_function("import minipar.distributed.collectives"),
+                               "No cycles are allowed in minipar.distributed."),
+    "comm importing autograd": ("distributed/communicator.py",
+                                inside_a_function("import minipar.core.autograd"),
+                                "minipar.distributed is not allowed to import minipar.core.autograd"),
     "core importing mpi4py": ("core/backend.py", inside_a_function("import mpi4py"),
                               "minipar.core is not allowed to import mpi4py"),
     "package outside the layers": ("extras/__init__.py", "", "- minipar.extras"),
+    "the reference importing the lab": ("trainer/report.py",
+                                        inside_a_function("import minipar_lab.bench.table"),
+                                        "minipar.trainer.report -> minipar_lab.bench.table"),
+    "bench importing plot, inside the lab": ("../minipar_lab/bench/table.py",
+                                             inside_a_function("import minipar_lab.plot.loss"),
+                                             "minipar_lab.bench.table -> minipar_lab.plot.loss"),
 }
 
 
 def copy_of_minipar(where: Path) -> Path:
-    shutil.copytree(ROOT / "minipar", where / "minipar", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("minipar", "minipar_lab"):
+        shutil.copytree(ROOT / package, where / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", where / "pyproject.toml")
     return where
 
@@ -86,3 +96,25 @@ def test_the_root_package_modules_may_import_anything(untouched_report):
     assert "minipar.__main__" not in untouched_report
     assert "minipar.__init__" not in untouched_report
     assert "not listed as layers" not in untouched_report
+
+
+RUFF = Path(sys.executable).parent / "ruff"
+LAB_IMPORT = "from minipar_lab.bench import table  # noqa: F401\n"
+
+
+@pytest.mark.parametrize("where, banned", [("tests/parallel/test_planted.py", True),
+                                           ("tests/test_planted.py", True),
+                                           ("minipar/parallel/planted.py", True),
+                                           ("tests/bench/test_planted.py", False),
+                                           ("minipar_lab/plot/planted.py", False)])
+def test_ruff_bans_the_lab_outside_the_lab_and_its_tests(tmp_path, where, banned):
+    """A non-lab test (which lint-imports cannot see) or a minipar module importing the lab is reported;
+    the lab and its own tests may import it."""
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    planted = tmp_path / where
+    planted.parent.mkdir(parents=True)
+    planted.write_text(LAB_IMPORT)
+    done = subprocess.run([str(RUFF), "check", "--no-cache", "--select", "TID251", where], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert ("TID251" in done.stdout) == banned, done.stdout + done.stderr
+    assert (done.returncode != 0) == banned

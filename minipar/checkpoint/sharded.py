@@ -49,7 +49,7 @@ from minipar.core import optim
 from minipar.core.module import Module
 from minipar.core.moe import MoEConfig, MoEGPT
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet
-from minipar.dist.comm import inject_fault
+from minipar.distributed.faults import inject_fault
 from minipar.parallel.logical_state import Piece, assemble
 
 FORMAT = "minipar-checkpoint-1"

@@ -33,7 +33,7 @@ from __future__ import annotations
 from minipar.core.backend import xp_of
 from minipar.core.hooks import RemovableHandle
 from minipar.core.module import Parameter
-from minipar.dist.comm import PendingCollective
+from minipar.distributed.communicator import PendingCollective
 from minipar.memory.offload import MiB
 from minipar.parallel.api import LocalUpdater
 from minipar.parallel.flat_units import check_replicas_identical, unflatten

@@ -25,14 +25,15 @@ from collections.abc import Callable
 from functools import partial
 
 from minipar.core import functional as F
-from minipar.core.autograd import Function, no_grad
+from minipar.core.autograd import no_grad
 from minipar.core.backend import xp_of
 from minipar.core.module import Module, ModuleList
 from minipar.core.moe import IndexAdd, MoEConfig, MoEGPT, MoELayer, RoutingStats, route
 from minipar.core.nn import MLP, GPTConfig, Linear
-from minipar.dist import collectives
-from minipar.dist.comm import Comm, ProcessGrid
+from minipar.distributed.communicator import Comm
+from minipar.distributed.grid import ProcessGrid
 from minipar.parallel.api import LocalUpdater, Runner, RunnerWrapper, Updater
+from minipar.parallel.mappings import AllToAll
 from minipar.parallel.tensor_gpt import TensorParallelGPT
 from minipar.parallel.zero import ZeroStage1, ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
@@ -50,20 +51,6 @@ class ExpertGroups:
                                       nodes=None if nodes is None else nodes[block * ep:(block + 1) * ep])
         self.edp: Comm = grid.dp.split(color=place, key=block, name="edp", reuse=(ep,),
                                        nodes=None if nodes is None else nodes[place::ep])
-
-
-class AllToAll(Function):
-    """Forward: the all-to-all of blocks over `comm`. Backward: the same exchange of the gradients,
-    since sending block s to rank s is a permutation whose inverse sends block r back to rank r."""
-
-    @staticmethod
-    def forward(ctx, blocks, comm):
-        ctx.comm = comm
-        return collectives.all_to_all(comm, blocks)
-
-    @staticmethod
-    def backward(ctx, g):
-        return collectives.all_to_all(ctx.comm, g), None
 
 
 class LocalExperts(ModuleList):

@@ -37,7 +37,7 @@ from minipar.parallel.schedules import Action, build_schedule, check_schedule, s
 if TYPE_CHECKING:  # only for annotations: the pipeline talks to MPI through Comm
     from mpi4py import MPI
 
-    from minipar.dist.comm import PendingCollective
+    from minipar.distributed.communicator import PendingCollective
 
 
 def unit_cost(unit: Module) -> int:

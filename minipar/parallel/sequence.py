@@ -29,7 +29,6 @@ import functools
 from typing import cast
 
 from minipar.core import functional as F
-from minipar.core.autograd import Function
 from minipar.core.backend import xp_of
 from minipar.core.nn import (
     Block,
@@ -41,6 +40,11 @@ from minipar.core.nn import (
     ModuleList,
     attention_core,
 )
+from minipar.parallel.mappings import (
+    gather_from_sequence_parallel,
+    reduce_scatter_to_sequence_parallel,
+    replicated_on_sequence_piece,
+)
 from minipar.parallel.tensor import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -49,87 +53,6 @@ from minipar.parallel.tensor import (
     VocabParallelEmbedding,
 )
 from minipar.parallel.tensor_gpt import TensorParallelGPT
-
-# ---- the two collectives along the sequence, each the other's adjoint -------------------------------
-
-
-def _sequence_first(x):
-    """(b, s, h) as a contiguous (s, b, h): each rank's run of positions becomes one flat shard."""
-    return xp_of(x).ascontiguousarray(x.transpose(1, 0, 2))
-
-
-def all_gather_sequence(x, comm):
-    """Every rank's (b, s/t, h) piece, concatenated along the sequence into (b, s, h)."""
-    # exercise 05.3: sequence parallelism: all-gather and reduce-scatter along the sequence
-    b, piece, h = x.shape
-    gathered = comm.all_gather(_sequence_first(x), numel=x.size * comm.size)
-    return gathered.reshape(piece * comm.size, b, h).transpose(1, 0, 2)
-    # end exercise
-
-
-def reduce_scatter_sequence(x, comm):
-    """The sum over ranks of (b, s, h) partial results, of which this rank keeps its s/t positions."""
-    # exercise 05.3: sequence parallelism: all-gather and reduce-scatter along the sequence
-    b, s, h = x.shape
-    return comm.reduce_scatter(_sequence_first(x)).reshape(s // comm.size, b, h).transpose(1, 0, 2)
-    # end exercise
-
-
-class GatherFromSequenceParallel(Function):
-    """Entering a tensor-parallel region: all-gather along the sequence; backward reduce-scatters
-    (every rank's columns contributed to the gradient of every position)."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return all_gather_sequence(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_sequence(grad, ctx.comm), None
-
-
-class ReduceScatterToSequenceParallel(Function):
-    """Leaving a tensor-parallel region: the partial sums reduce-scattered along the sequence;
-    backward all-gathers the pieces' gradients (each rank's partial needs the whole gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return reduce_scatter_sequence(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_sequence(grad, ctx.comm), None
-
-
-class ReplicatedOnSequencePiece(Function):
-    """A replicated parameter used on this rank's piece of the sequence: backward all-reduces its
-    gradient over tp (the sum over the pieces is the whole gradient). The forward hands out a copy of
-    the (small) parameter rather than the array itself, so no reference to a buffer ZeRO-3 gathered
-    outlives the unit's forward through the operations that read it in backward."""
-
-    @staticmethod
-    def forward(ctx, parameter, comm):
-        ctx.comm = comm
-        return parameter.copy()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad), None
-
-
-def gather_from_sequence_parallel(x, comm):
-    return GatherFromSequenceParallel.apply(x, comm)
-
-
-def reduce_scatter_to_sequence_parallel(x, comm):
-    return ReduceScatterToSequenceParallel.apply(x, comm)
-
-
-def replicated_on_sequence_piece(parameter, comm):
-    return ReplicatedOnSequencePiece.apply(parameter, comm)
-
 
 # ---- the layers: tensor.py's, with the collectives along the sequence ---------------------------------
 

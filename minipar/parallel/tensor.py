@@ -33,67 +33,11 @@ from minipar.core.autograd import Function
 from minipar.core.backend import xp_of
 from minipar.core.nn import Module, Parameter, attention_core, causal_attention
 from minipar.core.shards import Shard, padded_bounds
-
-# ---- the conjugate operators f and g ---------------------------------------------------------------
-
-
-class CopyToTensorParallel(Function):
-    """f: identity forward; all-reduce of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        # exercise 05.1: f and g: the communication of column- and row-parallel layers
-        return ctx.comm.all_reduce(grad), None
-        # end exercise
-
-
-class ReduceFromTensorParallel(Function):
-    """g: all-reduce forward (the sum of the ranks' partial results); identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        # exercise 05.1: f and g: the communication of column- and row-parallel layers
-        return comm.all_reduce(x)
-        # end exercise
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class GatherFromTensorParallel(Function):
-    """All-gather of the last axis forward (every rank's columns side by side); backward keeps this
-    rank's columns of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm, ctx.width = comm, x.shape[-1]
-        parts = comm.all_gather(x, numel=x.size * comm.size).reshape(comm.size, *x.shape)
-        return xp_of(x).concatenate(list(parts), axis=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        start = ctx.comm.rank * ctx.width
-        return grad[..., start : start + ctx.width], None
-
-
-def copy_to_tensor_parallel(x, comm):
-    return CopyToTensorParallel.apply(x, comm)
-
-
-def reduce_from_tensor_parallel(x, comm):
-    return ReduceFromTensorParallel.apply(x, comm)
-
-
-def gather_from_tensor_parallel(x, comm):
-    return GatherFromTensorParallel.apply(x, comm)
-
-
+from minipar.parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+)
 
 # ---- linear layers ----------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ Lesson: lessons/04_zero.md.
 from __future__ import annotations
 
 from minipar.core.backend import current as current_backend
-from minipar.dist.comm import PendingCollective
+from minipar.distributed.communicator import PendingCollective
 from minipar.memory.ledger import buffer_meter
 from minipar.parallel.flat_units import unflatten
 from minipar.parallel.zero import ZeroStage2

@@ -26,7 +26,7 @@ from functools import partial
 import numpy as np
 
 from minipar.core import autograd
-from minipar.dist.collectives import Wire, ring_all_reduce
+from minipar.distributed.collectives import Wire, ring_all_reduce
 from minipar.memory.ledger import buffer_meter
 from minipar.parallel.api import RunnerWrapper
 from minipar.precision.formats import DynamicLossScaler, Precision, pack_low, unpack_low

@@ -2,7 +2,7 @@
 
 Compute: model.py's FLOPs over the machine's achieved FLOP/s, split evenly over tensor and pipeline
 ranks (the logits' share too: a modelling choice; Megatron's last stage carries them alone).
-Communication: the alpha-beta cost of the ring `Comm` charges (dist/comm.py: all-reduce sends
+Communication: the alpha-beta cost of the ring `Comm` charges (distributed/ledger.py: all-reduce sends
 2(N-1)/N·S per rank in 2(N-1) messages), placed on its link: tensor-parallel groups inside a node
 (NVLink), pipeline and data-parallel groups on InfiniBand once a group spans nodes.
 Overlap rules (stated, not measured): tensor-parallel all-reduces and pipeline sends are not

@@ -1,7 +1,7 @@
 """Build the engine of one rank for any layout: TP inside a stage, PP across stages, DP (or ZeRO)
 across replicas of the pipeline. The one place that composes a layout.
 
-The process grid (dist/comm.py's ProcessGrid) puts tp fastest-varying, so tensor-parallel ranks are
+The process grid (distributed/grid.py's ProcessGrid) puts tp fastest-varying, so tensor-parallel ranks are
 neighbours ("TP inside a node"), then pp, then dp. Each part of the engine is chosen by the config in
 a function of its own, from the techniques in minipar/parallel:
 

@@ -39,12 +39,13 @@ def train_main(argv: list[str]) -> int:
             rank, message = failed[0]
             return fail("minipar train", f"{message} (on rank {rank})")
         return fail("minipar train", errors) if errors else int(code or 0)
-    from minipar.dist.comm import install_excepthook, wait_for_everyone
-    from minipar.dist.watchdog import WATCHDOG
+    from minipar.distributed.communicator import wait_for_everyone
+    from minipar.distributed.faults import install_excepthook
+    from minipar.distributed.watchdog import WATCHDOG
     from minipar.trainer import loop as train
 
     install_excepthook()
-    WATCHDOG.catch_interrupts()  # Ctrl-C reaches a rank blocked in MPI too (dist/watchdog.py)
+    WATCHDOG.catch_interrupts()  # Ctrl-C reaches a rank blocked in MPI too (distributed/watchdog.py)
     try:
         try:
             train.train(cfg.resolved(world.Get_size()))

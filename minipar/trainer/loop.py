@@ -16,8 +16,10 @@ import numpy as np
 
 from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend
-from minipar.dist.comm import Comm, ProcessGrid, fault_nudge, inject_fault, node_local_rank
-from minipar.dist.watchdog import set_collective_timeout
+from minipar.distributed.communicator import Comm, node_local_rank
+from minipar.distributed.faults import fault_nudge, inject_fault
+from minipar.distributed.grid import ProcessGrid
+from minipar.distributed.watchdog import set_collective_timeout
 from minipar.memory.ledger import MemoryLedger
 from minipar.trainer import build, reference, report
 from minipar.trainer.config import TrainConfig
@@ -110,7 +112,7 @@ class Trainer:
             "mem": self.memory.report(),
             "comm": {**traffic.step_report(), **traffic.step_links()},  # by_link: intra-/inter-node
         }
-        if self.world.size > 1:  # blocked in MPI calls and waits (dist/comm.py's watch); one process never is
+        if self.world.size > 1:  # blocked in MPI calls and waits (Comm.watch); one process never is
             record["comm_wait_s"] = traffic.step_wait_s
         optional = {  # in the log only where the layout has them
             "pipeline": self.engine.runner.timing(),  # busy/idle time of the stages, bubble (pipeline.py)

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from minipar.bench.fusion import chain8, compute_floor, main
+from minipar_lab.bench.fusion import chain8, compute_floor, main
 
 
 def test_bench_reports_medians_and_counted_bytes(capsys):

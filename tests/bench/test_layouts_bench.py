@@ -1,7 +1,7 @@
 """`bench layouts`: one layout's row from rank 0's log, with `run_train` replaced by records set by hand
 (the real runs are what lesson 07 quotes)."""
 
-from minipar.bench import layouts
+from minipar_lab.bench import layouts
 
 
 def test_a_layouts_row_is_read_off_the_steps_after_the_warm_up(monkeypatch, tmp_path):

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from minipar.bench import profile
 from minipar.core import nn
+from minipar_lab.bench import profile
 
 
 def test_the_profile_counts_each_operation_as_the_default_gpt_has_it(capsys):

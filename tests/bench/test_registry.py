@@ -7,16 +7,17 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from minipar.bench import autograd, registry
+from minipar_lab.bench import autograd, registry
 
 TINY = ["--batch", "4", "--width", "8", "--layers", "2", "--repeats", "2", "--no-torch"]
 
 
 @pytest.mark.parametrize("name", registry.BENCHES)
 def test_every_bench_is_a_file_of_the_package_with_a_main_and_a_docstring(name):
-    module = importlib.import_module(f"minipar.bench.{name}")
+    module = importlib.import_module(f"minipar_lab.bench.{name}")
     assert callable(module.main)
     assert module.__doc__.startswith(f"`python -m minipar bench {name}`") and "lessons/" in module.__doc__
 
@@ -73,3 +74,19 @@ def test_a_bench_plot_without_matplotlib_is_one_line_and_exit_2_before_it_measur
     assert out == f"== bench {name}\n"  # no table: it stopped before measuring, not after
     assert err == f"minipar bench {name}: error: matplotlib is not installed: pip install -e '.[viz]'\n"
     assert not png.exists()
+
+
+def test_bench_hand_written_step_computes_the_same_gradients():
+    """The benchmark compares like with like: its NumPy step gives the autograd engine's gradients."""
+    from minipar.core import nn
+    from minipar.core.functional import mse_loss
+
+    model = nn.MLPNet(nn.MLPConfig(d_in=5, d_hidden=6, d_out=3, n_layer=3), seed=0)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 5)), rng.standard_normal((4, 3))
+    mse_loss(model(x), y, "sum").backward()
+    weights = [(layer.linear.weight.data, layer.linear.bias.data) for layer in model.layers]
+    hand = list(reversed(autograd.hand_written_mlp_step(weights, x, y)))
+    for layer, (gw, gb) in zip(model.layers, hand):
+        np.testing.assert_allclose(gw, layer.linear.weight.grad, rtol=1e-12)
+        np.testing.assert_allclose(gb, layer.linear.bias.grad, rtol=1e-12)

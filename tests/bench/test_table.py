@@ -1,7 +1,7 @@
 """The benchmarks' tables line up: each column as wide as its widest cell, header included, right-aligned,
 two spaces apart (the lessons quote these tables as they are printed)."""
 
-from minipar.bench.table import right_aligned
+from minipar_lab.bench.table import right_aligned
 
 
 def test_columns_are_right_aligned_to_their_widest_cell_two_spaces_apart():

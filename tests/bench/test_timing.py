@@ -8,11 +8,10 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from minipar.bench import timing
+from minipar_lab.bench import timing
 
 
 class FakeClock:
@@ -93,7 +92,7 @@ def test_median_of_a_figure_across_log_records():
 
 TOUCH_64_MIB = """
 import resource
-from minipar.bench.timing import minor_page_faults
+from minipar_lab.bench.timing import minor_page_faults
 before = minor_page_faults(resource.RUSAGE_SELF)
 pages = b"1" * (64 << 20)  # above malloc's mmap threshold: fresh pages, each written once
 print(minor_page_faults(resource.RUSAGE_SELF) - before)
@@ -107,30 +106,6 @@ def test_minor_page_faults_are_this_processs_or_its_finished_childrens():
     child_touching = int(done.stdout)
     assert child_touching >= 32  # 64 MiB: 16384 pages of 4 KiB, or 32 huge pages at the fewest
     assert timing.minor_page_faults(resource.RUSAGE_CHILDREN) - before >= child_touching
-
-
-def test_mpiexec_is_the_one_next_to_this_python():
-    assert Path(timing.mpiexec()) == Path(sys.executable).parent / "mpiexec"
-
-
-def test_run_train_returns_rank_0s_records_of_a_real_two_rank_run(tmp_path):
-    small = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--seq-len", "8", "--batch-size", "4"]
-    records = timing.run_train(2, [*small, "--dp", "2", "--steps", "3"], tmp_path / "log.jsonl")
-    assert [r["step"] for r in records] == [0, 1, 2]
-    assert all(r["comm"]["sent_bytes"] > 0 and r["time_s"] > 0 for r in records)  # dp = 2 sent gradients
-
-
-def test_a_log_is_read_one_record_a_line_and_a_missing_one_is_named(tmp_path):
-    log = tmp_path / "log.jsonl"
-    log.write_text('{"step": 0, "loss": 2.5}\n\n{"step": 1, "loss": null}\n')
-    assert timing.read_log(log) == [{"step": 0, "loss": 2.5}, {"step": 1, "loss": None}]
-    with pytest.raises(FileNotFoundError, match="no log file .*missing.jsonl"):
-        timing.read_log(tmp_path / "missing.jsonl")
-
-
-def test_a_failing_run_raises_with_its_command_and_error():
-    with pytest.raises(RuntimeError, match="--batch-size 7 is not divisible by dp=2"):
-        timing.run_mpi(2, ["-m", "minipar", "train", "--batch-size", "7"])
 
 
 def test_spread_is_the_median_and_half_the_interquartile_range_computed_by_hand():

@@ -5,10 +5,10 @@ same gradients. Skipped where PyTorch is not installed (CI); there the bench say
 import numpy as np
 import pytest
 
-from minipar.bench import autograd, torch_gpt
 from minipar.core import blas, nn
 from minipar.core.autograd import Tensor
 from minipar.trainer.tasks import AdditionTask
+from minipar_lab.bench import autograd, torch_gpt
 
 
 def test_without_pytorch_the_bench_says_so_in_one_line(monkeypatch, capsys):

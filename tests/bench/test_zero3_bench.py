@@ -5,7 +5,7 @@ import resource
 
 import pytest
 
-from minipar.bench import zero3
+from minipar_lab.bench import zero3
 
 
 def test_each_round_runs_every_way_under_both_allocators_and_ratios_are_per_round(monkeypatch):

@@ -14,8 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from minipar.bench.timing import mpiexec
 from minipar.core import blas
+from minipar.trainer.launch import mpiexec
 
 needs_mkl = pytest.mark.skipif(blas.mkl_library() is None,
                                reason="MKL is not installed (optional: pip install mkl)")

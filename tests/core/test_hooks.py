@@ -20,7 +20,8 @@ import minipar
 from minipar.core import autograd, nn, optim
 from minipar.core.autograd import ActivationMeter, Tensor
 from minipar.core.hooks import HookList
-from minipar.dist.comm import Comm, ProcessGrid
+from minipar.distributed.communicator import Comm
+from minipar.distributed.grid import ProcessGrid
 from minipar.fusion import training as fused_training
 from minipar.memory.ledger import MemoryLedger, TierMeter, buffer_meter, tier_meter
 from minipar.parallel.zero import ZeroStage2

@@ -1,4 +1,4 @@
-"""The coursework tool (minipar/course/): its registry agrees with the code's regions, stubs cut exactly
+"""The coursework tool (minipar_lab/course/): its registry agrees with the code's regions, stubs cut exactly
 the chosen regions, bad input is one line and exit 2, and a fixed few exercises go the whole way round:
 a fresh workspace fails its checks on the stub and passes them once the reference's files are back
 (`make course-selftest` does this for every exercise)."""
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from minipar.course import grading, selftest, workspace
-from minipar.course.exercises import BY_ID, EXERCISES, Check
-from minipar.course.regions import RegionError, regions_in, regions_under, stub_text
+from minipar_lab.course import grading, selftest, workspace
+from minipar_lab.course.exercises import BY_ID, EXERCISES, Check
+from minipar_lab.course.regions import RegionError, regions_in, regions_under, stub_text
 
 ROOT = Path(__file__).resolve().parents[2]
 LESSONS = {path.name[:2]: path for path in (ROOT / "lessons").glob("[0-9][0-9]_*.md")}
@@ -132,7 +132,7 @@ def test_the_checks_run_the_workspace_code_and_the_guard_refuses_another(tmp_pat
 def test_a_lesson_excerpt_that_shows_a_stubbed_region_loses_its_body_and_no_other(tmp_path):
     workspace.create(tmp_path / "ws", [BY_ID["02.1"]])
     lesson = (tmp_path / "ws/lessons/02_collectives.md").read_text()
-    assert "```python excerpt minipar/dist/collectives.py\n...\n```" in lesson
+    assert "```python excerpt minipar/distributed/collectives.py\n...\n```" in lesson
     assert "partial = flat[start:stop] + wire.decode(received)" not in lesson
     workspace.create(tmp_path / "other", [BY_ID["02.2"]])  # the all-gather: the excerpt shows none of it
     unchanged = (ROOT / "lessons/02_collectives.md").read_text()

@@ -1,4 +1,4 @@
-"""The extension projects' contracts (minipar/course/extensions.py, lessons/course.md).
+"""The extension projects' contracts (minipar_lab/course/extensions.py, lessons/course.md).
 
 Each extension's test skips while its adapter returns None, and holds the student's code to the
 contract once it does. Each contract is a function that returns what is wrong (None: kept), tested
@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from mpi_harness import mpi_test, needs_world_size
 
-from minipar.course import extensions
-from minipar.dist.collectives import ring_all_reduce
+from minipar.distributed.collectives import ring_all_reduce
+from minipar_lab.course import extensions
 
-NOT_BUILT = "the adapter in minipar/course/extensions.py returns None: wire your code in"
+NOT_BUILT = "the adapter in minipar_lab/course/extensions.py returns None: wire your code in"
 
 # ---- E1: recursive-doubling all-reduce ----
 

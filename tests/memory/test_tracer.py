@@ -23,7 +23,6 @@ from mpi4py import MPI
 from mpi_harness import mpi_given, needs_world_size
 from test_chunks import MODELS, tiny
 
-from minipar.bench.timing import mpiexec
 from minipar.core import autograd
 from minipar.memory.ledger import buffer_meter
 from minipar.memory.offload import TieredStore
@@ -31,6 +30,7 @@ from minipar.memory.tracer import BudgetTooSmall, MemoryTracer, round_up_mb
 from minipar.parallel.zero_chunked import chunk_numel_for, device_bytes_needed
 from minipar.trainer import build
 from minipar.trainer import loop as train
+from minipar.trainer.launch import mpiexec
 from minipar.trainer.validate import validate
 
 MiB = 2**20

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from minipar.dist.comm import wait_for_everyone
+from minipar.distributed.communicator import wait_for_everyone
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.loop import Trainer, compare_with_reference
 

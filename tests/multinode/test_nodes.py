@@ -140,7 +140,7 @@ def test_a_failing_body_still_leaves_nothing_behind():
 
 def test_ledger_splits_each_dimension_by_link():
     """Without namespaces: the link split adds up to the bytes by dimension, window and total alike."""
-    from minipar.dist.comm import TrafficLedger
+    from minipar.distributed.ledger import TrafficLedger
 
     ledger = TrafficLedger()
     ledger.charge("dp", "all_reduce", 100, messages=2, link="inter")

@@ -18,7 +18,8 @@ from mpi_harness import mpi_test, needs_world_size
 
 import minipar
 from minipar.core import autograd, optim
-from minipar.dist.comm import Comm, ProcessGrid
+from minipar.distributed.communicator import Comm
+from minipar.distributed.grid import ProcessGrid
 from minipar.parallel.api import LocalUpdater, MicrobatchRunner, Runner, Updater
 from minipar.parallel.ddp import DistributedDataParallel
 from minipar.parallel.pipeline import PipelineRunner, build_stage

@@ -22,10 +22,9 @@ from mpi4py import MPI
 from mpi_harness import mpi_given, needs_world_size
 from one_process import assert_trains_like_one_process
 
-from minipar.bench.context import work_map
 from minipar.core.autograd import Tensor
 from minipar.core.nn import causal_attention
-from minipar.dist.comm import Comm
+from minipar.distributed.communicator import Comm
 from minipar.parallel.context import (
     OnlineSoftmax,
     RingAttention,
@@ -65,8 +64,8 @@ def test_a_contiguous_split_would_not_balance():
     chunks (2r, 2r+1) give rank r 1+2, 3+4, 5+6, 7+8 blocks; zig-zag pairs chunk r with 7-r, r+1 + 8-r = 9."""
     assert chunks_of(0, 4) == (0, 7) and chunks_of(3, 4) == (3, 4)
     for zigzag, expected in ((False, [3, 7, 11, 15]), (True, [9, 9, 9, 9])):
-        cells = work_map(4, zigzag)
-        assert [sum(row.count(rank) for row in cells) for rank in range(4)] == expected
+        held = [chunks_of(rank, 4) if zigzag else (2 * rank, 2 * rank + 1) for rank in range(4)]
+        assert [sum(chunk + 1 for chunk in chunks) for chunks in held] == expected  # chunk q sees q + 1
 
 
 # ---- the online softmax and ring attention on one rank -----------------------------------------------

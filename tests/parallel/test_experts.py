@@ -23,8 +23,8 @@ from one_process import assert_trains_like_one_process
 from minipar.core.autograd import Tensor
 from minipar.core.moe import MoEConfig, MoEGPT, MoELayer
 from minipar.core.nn import GPTConfig
-from minipar.dist.collectives import all_to_all
-from minipar.dist.comm import Comm
+from minipar.distributed.collectives import all_to_all
+from minipar.distributed.communicator import Comm
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.loop import Trainer
 from minipar.trainer.validate import validate

@@ -12,8 +12,8 @@ from mpi4py import MPI
 from mpi_harness import at_world_size, mpi_given, mpi_test
 
 from minipar.core.shards import padded_numel
-from minipar.dist import watchdog
-from minipar.dist.comm import Comm
+from minipar.distributed import watchdog
+from minipar.distributed.communicator import Comm
 from minipar.memory.ledger import buffer_meter
 from minipar.parallel.ddp import DistributedDataParallel
 from minipar.trainer import build

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from mpi_harness import at_world_size, mpi_given, mpi_test, needs_world_size
 
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet
-from minipar.dist.comm import Comm
+from minipar.distributed.communicator import Comm
 from minipar.parallel.api import MicrobatchRunner
 from minipar.parallel.pipeline import (
     PipelineRunner,

@@ -15,8 +15,8 @@ from mpi4py import MPI
 from mpi_harness import mpi_given, needs_world_size
 from one_process import assert_trains_like_one_process
 
-from minipar.bench.layouts import factorisations
 from minipar.core.nn import MLPConfig, MLPNet
+from minipar.distributed.grid import factorisations
 from minipar.parallel.pipeline import build_stage
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.loop import Trainer

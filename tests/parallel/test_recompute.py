@@ -18,13 +18,13 @@ from mpi4py import MPI
 from mpi_harness import mpi_given, needs_world_size
 from one_process import assert_trains_like_one_process, train
 
-from minipar.bench.layouts import factorisations
 from minipar.core import functional as F
 from minipar.core import nn
 from minipar.core.autograd import Tensor, activation_meter, no_grad
 from minipar.core.recompute import checkpoint
 from minipar.core.shards import shard_sizes
-from minipar.dist.comm import ring_bytes_sent
+from minipar.distributed.grid import factorisations
+from minipar.distributed.ledger import ring_bytes_sent
 from minipar.memory.activations import block_activation_values, gpt_activation_peak, head_values
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.loop import compare_with_reference
@@ -123,48 +123,6 @@ def test_recomputation_saves_what_the_formula_says_at_long_sequences():
     assert peaks["full"] < peaks["selective"] < peaks["none"]
 
 
-def test_bench_recompute_reports_the_formulas_peaks():
-    from minipar.bench.recompute import recompute_figures
-
-    figures = recompute_figures(seq_len=8, batch=2, precision="fp64", repeats=1)
-    assert [row["recompute"] for row in figures["modes"]] == list(MODES)
-    assert all(row["activations_peak"] == row["formula"] for row in figures["modes"])
-    rows = {row["recompute"]: row for row in figures["modes"]}
-    assert rows["none"]["recomputed_forward_ms"] == 0 and rows["none"]["extra_ms"] == 0
-    assert rows["selective"]["recomputed_forward_ms"] > 0 and rows["full"]["recomputed_forward_ms"] > 0
-    assert all(isinstance(row["page_faults"], int) and row["page_faults"] >= 0 for row in figures["modes"])
-
-
-def test_bench_recompute_times_the_recomputed_parts_with_the_graph_off():
-    """The yardstick of recomputation's extra time is the part each mode runs again, as its first pass
-    runs it: the blocks (full), the attention cores on the q, k, v the blocks give them (selective),
-    the graph off: nothing reaches the activation meter. The q, k, v are checked for every block against
-    the plain model walked block by block: a later block's depend on what the recording attention
-    returned to the blocks before it, which the first block's cannot show."""
-    from minipar.bench.recompute import attention_inputs, recomputed_forwards
-
-    cfg = nn.GPTConfig(vocab_size=AdditionTask.vocab_size, block_size=8, n_layer=2, n_head=2, d_model=8)
-    models = {mode: nn.GPT(cfg, seed=0, recompute=mode) for mode in MODES}
-    ids, _ = AdditionTask(8, 0).global_batch(0, 2)
-    expected = []
-    with no_grad():
-        x = models["none"].embed(ids)
-        for block in models["none"].blocks:
-            h = block.ln_1(x)
-            expected.append((block.attn.query(h).data, block.attn.key(h).data, block.attn.value(h).data))
-            x = block(x)  # the next block's input
-    cores = attention_inputs(cfg, ids)
-    assert len(cores) == len(expected) == cfg.n_layer
-    for layer, (qkv, want) in enumerate(zip(cores, expected)):
-        for name, got, array in zip("qkv", qkv, want, strict=True):
-            assert np.array_equal(got, array), f"block {layer}'s {name}"
-    activation_meter.reset_peak()
-    before = activation_meter.current
-    for part in recomputed_forwards(models, cfg, ids).values():
-        part()
-    assert activation_meter.current == before and activation_meter.peak == before
-
-
 def test_mlp_trains_like_one_process_with_full_recomputation():
     cfg = tiny(model="mlp", recompute="full", microbatches=2)
     records, full = train(cfg)
@@ -204,7 +162,7 @@ def test_every_layout_with_recomputation_trains_like_one_process(layout, mode, z
 
 
 def all_reduce_cost(n_values: int, comm_size: int, rank: int) -> int:
-    """Bytes one ring all-reduce of n fp64 values sends from `rank` (dist/comm.py's model)."""
+    """Bytes one ring all-reduce of n fp64 values sends from `rank` (distributed/ledger.py's model)."""
     return ring_bytes_sent("all_reduce", [8 * n for n in shard_sizes(n_values, comm_size)], rank)
 
 

@@ -18,12 +18,12 @@ from mpi4py import MPI
 from mpi_harness import mpi_given, mpi_test, needs_world_size
 from one_process import assert_trains_like_one_process, train
 
-from minipar.bench.layouts import factorisations
 from minipar.core.autograd import Tensor
 from minipar.core.shards import shard_sizes
-from minipar.dist.comm import ring_bytes_sent
+from minipar.distributed.grid import factorisations
+from minipar.distributed.ledger import ring_bytes_sent
 from minipar.memory.activations import gpt_activation_peak
-from minipar.parallel.sequence import gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel
+from minipar.parallel.mappings import gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.loop import compare_with_reference
 from minipar.trainer.tasks import AdditionTask
@@ -115,7 +115,7 @@ def test_gather_and_reduce_scatter_are_adjoint(comm, seed, batch, piece, width):
 
 
 def all_reduce_cost(n_values: int, comm_size: int, rank: int) -> int:
-    """Bytes one ring all-reduce of n fp64 values sends from `rank` (dist/comm.py's model)."""
+    """Bytes one ring all-reduce of n fp64 values sends from `rank` (distributed/ledger.py's model)."""
     return ring_bytes_sent("all_reduce", [8 * n for n in shard_sizes(n_values, comm_size)], rank)
 
 

@@ -24,15 +24,14 @@ from minipar.core import functional as F
 from minipar.core import nn, optim
 from minipar.core.autograd import Tensor, no_grad
 from minipar.core.shards import Shard, padded_bounds, shard_of, shard_sizes
-from minipar.dist.comm import ring_bytes_sent
+from minipar.distributed.ledger import ring_bytes_sent
+from minipar.parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
 from minipar.parallel.tensor import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelMLP,
     RowParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tensor_parallel,
-    reduce_from_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
 from minipar.parallel.tensor_gpt import TensorParallelGPT

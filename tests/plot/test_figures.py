@@ -10,7 +10,7 @@ import pytest
 
 from minipar.parallel.pipeline import bubble_formula
 from minipar.parallel.schedules import bubble_fraction, build_schedule, simulate
-from minipar.plot import allreduce, bubble, gantt, loss, offload, registry, roofline, zero
+from minipar_lab.plot import allreduce, bubble, gantt, loss, offload, registry, roofline, zero
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -112,7 +112,7 @@ def test_the_command_draws_each_figure_from_saved_inputs(tmp_path):
                  ["offload", "--bench-json", str(memory)],
                  ["roofline", "--size", "4096", "--repeats", "1"], ["simulate"]):
         assert registry.main([*argv, "--out", str(out)]) == 0
-        png = out / importlib.import_module(f"minipar.plot.{argv[0]}").FILE
+        png = out / importlib.import_module(f"minipar_lab.plot.{argv[0]}").FILE
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 
 
@@ -131,7 +131,7 @@ def test_a_figure_that_wrote_no_file_is_an_error_not_a_success(tmp_path, capsys,
     """A figure whose drawing returns without writing its PNG (here a benchmark's save_plot that only
     prints, as the benches' did before they drew through bench/canvas.py) is an error: the command must not
     then print the PNG's name as drawn."""
-    from minipar.plot import trace
+    from minipar_lab.plot import trace
 
     monkeypatch.setattr(trace.tracer, "save_plot", lambda path, data: "(no plot: matplotlib missing)")
     monkeypatch.setattr(trace.tracer, "measure_trace", lambda: {})
@@ -145,7 +145,7 @@ def test_a_figure_that_wrote_no_file_is_an_error_not_a_success(tmp_path, capsys,
 def test_without_matplotlib_every_figure_stops_with_one_line_before_it_computes(name, tmp_path, capsys,
                                                                                monkeypatch, no_matplotlib):
     """plot loss trains 60 steps, plot trace measures a run: a missing matplotlib must stop them before."""
-    module = importlib.import_module(f"minipar.plot.{name}")
+    module = importlib.import_module(f"minipar_lab.plot.{name}")
     monkeypatch.setattr(module, "draw", lambda args, path: pytest.fail(f"plot {name} computed its figure"))
     assert registry.main([name, "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (f"minipar plot {name}: error: matplotlib is not installed: "
@@ -154,7 +154,7 @@ def test_without_matplotlib_every_figure_stops_with_one_line_before_it_computes(
 
 @pytest.mark.parametrize("name", registry.FIGURES)
 def test_every_figure_is_a_file_with_its_png_name_and_a_docstring(name):
-    module = importlib.import_module(f"minipar.plot.{name}")
+    module = importlib.import_module(f"minipar_lab.plot.{name}")
     assert module.FILE.endswith(".png") and "Lesson: lessons/" in module.__doc__
 
 

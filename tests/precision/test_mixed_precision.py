@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_harness import mpi_given, mpi_test
 
-from minipar.bench import precision as precision_bench
 from minipar.core.autograd import Function
 from minipar.core.shards import shard_bounds
-from minipar.dist.comm import Comm, ProcessGrid
+from minipar.distributed.communicator import Comm
+from minipar.distributed.grid import ProcessGrid
 from minipar.parallel.api import MicrobatchRunner
 from minipar.parallel.ddp import flatten
 from minipar.parallel.flat_units import check_replicas_identical
@@ -194,36 +194,6 @@ def test_the_scaler_skips_overflowing_steps_halves_and_grows_after_clean_ones():
         assert scales[step] == expected, (scales, skipped)
     assert skipped[:3] == [True] * 3 and not all(skipped) and max(scales[1:]) < 2.0**20
     assert any(later > earlier for earlier, later in zip(scales, scales[1:]))  # it grew at least once
-
-
-def test_fp16_underflows_without_the_scaler_and_overflows_with_large_values_where_bf16_trains():
-    cfg = precision_bench.TrainConfig(model="mlp", n_layer=4, d_model=32, optimizer="sgd", lr=0.02,
-                                      steps=60, batch_size=256, dp=1, quiet=True)
-    small = precision_bench.experiment(cfg, precision_bench.PLAIN_RUNS, loss_divisor=2.0**16)
-    fp32 = np.array(small["fp32"]["loss"])
-    for run in ("bf16", "fp16+scaler"):
-        np.testing.assert_allclose(small[run]["loss"], fp32, rtol=TRACKING_RTOL, err_msg=run)
-    assert small["fp16"]["loss"][-1] > 1.1 * fp32[-1]  # underflowed gradients: it falls behind
-
-    for row in precision_bench.gradient_errors(cfg, 2.0**16, [0, 40]):  # what the curves come from
-        assert row["fp16"]["error"] > 0.1 and row["fp16+scaler"]["error"] < 0.01, row
-        assert row["fp16+scaler"]["zero"] == 0.0 and (row["fp16"]["zero"] > 0.05 or row["step"] == 0)
-
-    large = precision_bench.experiment(cfg.replace(steps=10), precision_bench.PLAIN_RUNS, unit=2.0**15)
-    np.testing.assert_allclose(large["bf16"]["loss"], large["fp32"]["loss"], rtol=TRACKING_RTOL)
-    assert not np.isfinite(large["fp16"]["loss"]).any()
-    assert not np.isfinite(large["fp16+scaler"]["loss"]).any() and all(large["fp16+scaler"]["skipped"])
-    assert large["fp16+scaler"]["scale"] == [2.0**16 / 2**k for k in range(10)]
-
-
-def test_bench_prints_both_tables_and_refuses_bad_input_in_one_line(capsys):
-    assert precision_bench.main(["--steps", "3", "--batch-size", "16"]) == 0
-    out = capsys.readouterr().out
-    for part in ("small gradients", "rounded to zero", "large values", "skipped"):
-        assert part in out
-    assert precision_bench.main(["--steps", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--steps must be at least 2" in err
 
 
 def test_layouts_mixed_precision_cannot_serve_are_clear_errors():

@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 from minipar.core.nn import GPT, GPTConfig
-from minipar.dist.comm import ring_bytes_sent, ring_messages
+from minipar.distributed.ledger import ring_bytes_sent, ring_messages
 from minipar.simulate import presets
 from minipar.simulate.machines import GPUS
 from minipar.simulate.model import ModelShape, hardware_flops, model_flops, parameter_count
@@ -37,7 +37,7 @@ def test_parameter_count_is_the_real_models():
 @pytest.mark.parametrize("op,n", [("all_reduce", 4), ("reduce_scatter", 8), ("all_gather", 3)])
 def test_ring_time_is_comms_charge_over_the_bandwidth_plus_its_messages(op, n):
     shard, bandwidth, latency = 1000, 1e9, 1e-6
-    charged = ring_bytes_sent(op, [shard] * n, 0)  # dist/comm.py's ring algorithm, another implementation
+    charged = ring_bytes_sent(op, [shard] * n, 0)  # the ledger's ring algorithm, another implementation
     expected = ring_messages(op, n) * latency + charged / bandwidth
     assert ring_seconds(op, shard * n, n, bandwidth, latency) == pytest.approx(expected, rel=1e-12)
 

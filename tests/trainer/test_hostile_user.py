@@ -25,7 +25,7 @@ from test_reliability import MPIEXEC, ROOT, SMALL, SMALL_CFG, minipar_train
 
 from minipar.core import functional as F
 from minipar.core.autograd import Tensor
-from minipar.dist import watchdog
+from minipar.distributed import watchdog
 from minipar.memory import offload
 from minipar.trainer import loop as train
 from minipar.trainer import validate as validation

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from mpi_harness import mpi_given, mpi_test, needs_world_size
 from one_process import assert_trains_like_one_process
 
-from minipar.bench.layouts import factorisations
+from minipar.distributed.grid import factorisations
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.validate import validate

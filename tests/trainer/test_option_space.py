@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from mpi4py import MPI
 from mpi_harness import mpi_given, needs_world_size
 
-from minipar.bench.layouts import factorisations
+from minipar.distributed.grid import factorisations
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.validate import validate

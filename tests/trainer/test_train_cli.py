@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from minipar.bench import autograd as bench
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 
@@ -106,22 +105,3 @@ def test_spawns_mpiexec_a_rank_that_raises_ends_the_whole_job():
     assert result.returncode != 0
     assert result.stderr.count("Traceback") == 1, result.stderr
     assert "RuntimeError: injected fault on rank 1 at step 1" in result.stderr
-
-
-# ---- the autograd benchmark -------------------------------------------------------------------------
-
-
-def test_bench_hand_written_step_computes_the_same_gradients():
-    """The benchmark compares like with like: its NumPy step gives the autograd engine's gradients."""
-    from minipar.core import nn
-    from minipar.core.functional import mse_loss
-
-    model = nn.MLPNet(nn.MLPConfig(d_in=5, d_hidden=6, d_out=3, n_layer=3), seed=0)
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((4, 5)), rng.standard_normal((4, 3))
-    mse_loss(model(x), y, "sum").backward()
-    weights = [(layer.linear.weight.data, layer.linear.bias.data) for layer in model.layers]
-    hand = list(reversed(bench.hand_written_mlp_step(weights, x, y)))
-    for layer, (gw, gb) in zip(model.layers, hand):
-        np.testing.assert_allclose(gw, layer.linear.weight.grad, rtol=1e-12)
-        np.testing.assert_allclose(gb, layer.linear.bias.grad, rtol=1e-12)

@@ -1,0 +1,183 @@
+"""The autograd collectives: every communication that sits inside the autograd graph, in one place.
+
+The idea, as Megatron-LM's `tensor_parallel/mappings.py`: a collective in the forward pass is a
+Function whose backward is its adjoint, the collective that carries the gradient back the same way.
+
+    f  CopyToTensorParallel          identity            | all-reduce          (before a column layer)
+    g  ReduceFromTensorParallel      all-reduce          | identity            (after a row layer)
+       GatherFromTensorParallel      all-gather columns  | keep this rank's columns
+       GatherFromSequenceParallel    all-gather sequence | reduce-scatter sequence   (entering tp, sp)
+       ReduceScatterToSequenceParallel  reduce-scatter   | all-gather sequence       (leaving tp, sp)
+       ReplicatedOnSequencePiece     a copy              | all-reduce          (a replicated parameter, sp)
+       AllToAll                      all-to-all          | all-to-all          (tokens to experts, ep)
+
+Read forward and backward of each pair side by side: an all-reduce forward has an identity backward,
+an all-gather a reduce-scatter, and an all-to-all (a permutation of blocks) is its own inverse. Ring
+attention's exchange of keys and values stays one Function in context.py: its backward is a second
+ring, not the adjoint of one collective. What they save or cost: nothing of their own; each is the
+communication of the technique that uses it (tensor.py, sequence.py, experts.py).
+Lessons: lessons/05_tensor_parallel.md (f, g, sequence parallelism), lessons/15_experts.md (all-to-all).
+"""
+
+from __future__ import annotations
+
+from minipar.core.autograd import Function
+from minipar.core.backend import xp_of
+from minipar.distributed import collectives
+
+# ---- the conjugate operators f and g ---------------------------------------------------------------
+
+
+class CopyToTensorParallel(Function):
+    """f: identity forward; all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        # exercise 05.1: f and g: the communication of column- and row-parallel layers
+        return ctx.comm.all_reduce(grad), None
+        # end exercise
+
+
+class ReduceFromTensorParallel(Function):
+    """g: all-reduce forward (the sum of the ranks' partial results); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        # exercise 05.1: f and g: the communication of column- and row-parallel layers
+        return comm.all_reduce(x)
+        # end exercise
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromTensorParallel(Function):
+    """All-gather of the last axis forward (every rank's columns side by side); backward keeps this
+    rank's columns of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm, ctx.width = comm, x.shape[-1]
+        parts = comm.all_gather(x, numel=x.size * comm.size).reshape(comm.size, *x.shape)
+        return xp_of(x).concatenate(list(parts), axis=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = ctx.comm.rank * ctx.width
+        return grad[..., start : start + ctx.width], None
+
+
+def copy_to_tensor_parallel(x, comm):
+    return CopyToTensorParallel.apply(x, comm)
+
+
+def reduce_from_tensor_parallel(x, comm):
+    return ReduceFromTensorParallel.apply(x, comm)
+
+
+def gather_from_tensor_parallel(x, comm):
+    return GatherFromTensorParallel.apply(x, comm)
+
+
+# ---- the two collectives along the sequence, each the other's adjoint -------------------------------
+
+
+def _sequence_first(x):
+    """(b, s, h) as a contiguous (s, b, h): each rank's run of positions becomes one flat shard."""
+    return xp_of(x).ascontiguousarray(x.transpose(1, 0, 2))
+
+
+def all_gather_sequence(x, comm):
+    """Every rank's (b, s/t, h) piece, concatenated along the sequence into (b, s, h)."""
+    # exercise 05.3: sequence parallelism: all-gather and reduce-scatter along the sequence
+    b, piece, h = x.shape
+    gathered = comm.all_gather(_sequence_first(x), numel=x.size * comm.size)
+    return gathered.reshape(piece * comm.size, b, h).transpose(1, 0, 2)
+    # end exercise
+
+
+def reduce_scatter_sequence(x, comm):
+    """The sum over ranks of (b, s, h) partial results, of which this rank keeps its s/t positions."""
+    # exercise 05.3: sequence parallelism: all-gather and reduce-scatter along the sequence
+    b, s, h = x.shape
+    return comm.reduce_scatter(_sequence_first(x)).reshape(s // comm.size, b, h).transpose(1, 0, 2)
+    # end exercise
+
+
+class GatherFromSequenceParallel(Function):
+    """Entering a tensor-parallel region: all-gather along the sequence; backward reduce-scatters
+    (every rank's columns contributed to the gradient of every position)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return all_gather_sequence(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.comm), None
+
+
+class ReduceScatterToSequenceParallel(Function):
+    """Leaving a tensor-parallel region: the partial sums reduce-scattered along the sequence;
+    backward all-gathers the pieces' gradients (each rank's partial needs the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return reduce_scatter_sequence(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.comm), None
+
+
+class ReplicatedOnSequencePiece(Function):
+    """A replicated parameter used on this rank's piece of the sequence: backward all-reduces its
+    gradient over tp (the sum over the pieces is the whole gradient). The forward hands out a copy of
+    the (small) parameter rather than the array itself, so no reference to a buffer ZeRO-3 gathered
+    outlives the unit's forward through the operations that read it in backward."""
+
+    @staticmethod
+    def forward(ctx, parameter, comm):
+        ctx.comm = comm
+        return parameter.copy()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad), None
+
+
+def gather_from_sequence_parallel(x, comm):
+    return GatherFromSequenceParallel.apply(x, comm)
+
+
+def reduce_scatter_to_sequence_parallel(x, comm):
+    return ReduceScatterToSequenceParallel.apply(x, comm)
+
+
+def replicated_on_sequence_piece(parameter, comm):
+    return ReplicatedOnSequencePiece.apply(parameter, comm)
+
+
+# ---- expert parallelism: tokens to the ranks of their experts and back ---------------------------
+
+
+class AllToAll(Function):
+    """Forward: the all-to-all of blocks over `comm`. Backward: the same exchange of the gradients,
+    since sending block s to rank s is a permutation whose inverse sends block r back to rank r."""
+
+    @staticmethod
+    def forward(ctx, blocks, comm):
+        ctx.comm = comm
+        return collectives.all_to_all(comm, blocks)
+
+    @staticmethod
+    def backward(ctx, g):
+        return collectives.all_to_all(ctx.comm, g), None

@@ -1,0 +1,162 @@
+"""The ring collectives against MPI's, and the bytes they really send against Comm's charges.
+
+Rings run on the world and on groups of at most 3 ranks (world 4 -> groups of 3 and 1, world 8 ->
+3, 3 and 2), so N covers 1, 2, 3, 4 and 8. Float sums are compared bit for bit with a reference
+that adds in the ring's order, and to 1e-12 with MPI's (which adds in an order of its own).
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy
+import pytest
+from mpi4py import MPI
+from mpi_harness import at_world_size, mpi_given
+
+from minipar.core.shards import shard_bounds, shard_sizes
+from minipar.distributed.collectives import (
+    UNCHANGED,
+    Wire,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
+from minipar.distributed.communicator import Comm
+from minipar.distributed.ledger import TrafficLedger, ring_bytes_sent
+
+DTYPES = ["float64", "float32", "int64", "int32", "uint16"]
+TO_FP32 = Wire(encode=lambda x: x.astype("float32"), decode=lambda wire: wire.astype("float64"))
+
+
+def rank_data(seed: int, rank: int, numel: int, dtype: str) -> numpy.ndarray:
+    rng = numpy.random.default_rng([seed, rank])
+    if numpy.dtype(dtype).kind == "f":
+        return rng.standard_normal(numel).astype(dtype)
+    return rng.integers(0, 1000, size=numel).astype(dtype)
+
+
+def ring_order_reduce(inputs: list[numpy.ndarray], wire: Wire = UNCHANGED) -> numpy.ndarray:
+    """Each chunk c summed as the ring sums it: it starts at rank c+1 and ends at its owner c,
+    crossing the wire between ranks."""
+    size, numel = len(inputs), inputs[0].size
+    reduced = numpy.empty_like(inputs[0])
+    for chunk in range(size):
+        part = slice(*shard_bounds(numel, size, chunk))
+        partial = inputs[(chunk + 1) % size][part]
+        for hop in range(2, size + 1):
+            partial = inputs[(chunk + hop) % size][part] + wire.decode(wire.encode(partial))
+        reduced[part] = partial
+    return reduced
+
+
+@pytest.fixture
+def rings(comm):
+    """The world's ring, and the ring of this rank's group of at most 3 (rank // 3)."""
+    group = comm.split(color=comm.rank // 3, key=comm.rank, name="group")
+    yield {"world": comm, "group": group}
+    group.mpi.Free()
+
+
+def fresh(ring: Comm) -> Comm:
+    """The same communicator with an empty ledger, to read one call's traffic."""
+    return Comm(ring.mpi, name=ring.name, ledger=TrafficLedger())
+
+
+def traffic(ring: Comm) -> tuple[int, int]:
+    report = ring.ledger.total_report()
+    return report["sent_bytes"], report["messages"]
+
+
+def assert_close_to_mpi(ring_result, mpi_result):
+    if ring_result.dtype.kind == "f":
+        tolerance = 1e-12 if ring_result.dtype == numpy.float64 else 1e-5
+        numpy.testing.assert_allclose(ring_result, mpi_result, rtol=tolerance, atol=tolerance)
+    else:
+        assert numpy.array_equal(ring_result, mpi_result)
+
+
+def exact_ring_fraction(factor: int, ring: Comm, nbytes: int) -> int:
+    """factor * (N-1)/N * S, for the case N divides S."""
+    assert (factor * (ring.size - 1) * nbytes) % ring.size == 0
+    return factor * (ring.size - 1) * nbytes // ring.size
+
+
+# rings of N >= 4 ranks with shards of unequal length (7 and 13 elements do not divide by 4 or 8)
+UNEVEN_RINGS = [at_world_size((4, 8), which="world", numel=numel, dtype="float64", seed=5)
+                for numel in (7, 13)]
+
+
+@mpi_given(examples=UNEVEN_RINGS, which=st.sampled_from(["world", "group"]), numel=st.integers(0, 50),
+           dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**32 - 1))
+def test_ring_all_reduce(rings, which, numel, dtype, seed):
+    ring = rings[which]
+    inputs = [rank_data(seed, r, numel, dtype) for r in range(ring.size)]
+    counted, charged = fresh(ring), fresh(ring)
+    result = ring_all_reduce(counted, inputs[ring.rank].reshape(1, numel))
+    assert result.shape == (1, numel) and result.dtype == numpy.dtype(dtype)
+    assert numpy.array_equal(result.ravel(), ring_order_reduce(inputs))
+    assert_close_to_mpi(result, charged.all_reduce(inputs[ring.rank].reshape(1, numel)))
+    assert traffic(counted) == traffic(charged)
+    if numel % ring.size == 0:
+        assert traffic(counted)[0] == exact_ring_fraction(2, ring, result.nbytes)
+
+
+@mpi_given(examples=UNEVEN_RINGS, which=st.sampled_from(["world", "group"]), numel=st.integers(0, 50),
+           dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**32 - 1))
+def test_ring_reduce_scatter(rings, which, numel, dtype, seed):
+    ring = rings[which]
+    inputs = [rank_data(seed, r, numel, dtype) for r in range(ring.size)]
+    counted, charged = fresh(ring), fresh(ring)
+    shard = ring_reduce_scatter(counted, inputs[ring.rank])
+    own = slice(*shard_bounds(numel, ring.size, ring.rank))
+    assert numpy.array_equal(shard, ring_order_reduce(inputs)[own])
+    assert_close_to_mpi(shard, charged.reduce_scatter(inputs[ring.rank]))
+    assert traffic(counted) == traffic(charged)
+    if numel % ring.size == 0:
+        assert traffic(counted)[0] == exact_ring_fraction(1, ring, inputs[0].nbytes)
+
+
+@mpi_given(which=st.sampled_from(["world", "group"]), dtype=st.sampled_from(DTYPES),
+           seed=st.integers(0, 2**32 - 1), even_split=st.booleans())
+def test_ring_all_gather_of_uneven_shards(rings, which, dtype, seed, even_split):
+    ring = rings[which]
+    rng = numpy.random.default_rng(seed)
+    numel = int(rng.integers(0, 40))
+    counts = shard_sizes(numel, ring.size) if even_split else [int(c) for c in rng.integers(0, 7, ring.size)]
+    shards = [rank_data(seed, r, counts[r], dtype) for r in range(ring.size)]
+    counted, charged = fresh(ring), fresh(ring)
+    gathered = ring_all_gather(counted, shards[ring.rank], numel=numel if even_split else None)
+    assert numpy.array_equal(gathered, numpy.concatenate(shards))
+    assert numpy.array_equal(gathered, charged.all_gather(shards[ring.rank]))
+    assert traffic(counted) == traffic(charged)
+    itemsize = numpy.dtype(dtype).itemsize
+    assert traffic(counted)[0] == ring_bytes_sent("all_gather", [c * itemsize for c in counts], ring.rank)
+    if even_split and numel % ring.size == 0:
+        assert traffic(counted)[0] == exact_ring_fraction(1, ring, gathered.nbytes)
+
+
+@mpi_given(which=st.sampled_from(["world", "group"]), numel=st.integers(0, 50),
+           seed=st.integers(0, 2**32 - 1))
+def test_fp32_wire_halves_the_bytes_and_every_rank_agrees(rings, which, numel, seed):
+    ring = rings[which]
+    inputs = [rank_data(seed, r, numel, "float64") for r in range(ring.size)]
+    on_wire, plain = fresh(ring), fresh(ring)
+    result = ring_all_reduce(on_wire, inputs[ring.rank], wire=TO_FP32)
+    exact = ring_all_reduce(plain, inputs[ring.rank])
+    assert result.dtype == numpy.float64
+    assert numpy.array_equal(result, TO_FP32.decode(TO_FP32.encode(ring_order_reduce(inputs, TO_FP32))))
+    assert len(set(ring.allgather_obj(result.tobytes()))) == 1  # replicas stay identical
+    numpy.testing.assert_allclose(result, exact, rtol=1e-6 * ring.size, atol=1e-6 * ring.size)
+    assert traffic(on_wire)[0] * 2 == traffic(plain)[0]
+
+
+def test_a_ring_of_one_returns_its_input_and_sends_nothing():
+    ring = Comm(MPI.COMM_SELF, name="solo")
+    x = numpy.arange(6, dtype="int64").reshape(2, 3)
+    assert numpy.array_equal(ring_all_reduce(ring, x), x)
+    assert numpy.array_equal(ring_reduce_scatter(ring, x), x.ravel())
+    assert numpy.array_equal(ring_all_gather(ring, x), x.ravel())
+    assert numpy.array_equal(ring_all_reduce(ring, x.astype("float64"), wire=TO_FP32), x)
+    report = ring.ledger.total_report()
+    assert (report["sent_bytes"], report["messages"]) == (0, 0)
+    assert report["by_dim_op"] == {"solo": {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}}
