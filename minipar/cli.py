@@ -16,6 +16,7 @@ from minipar.bench import registry
 from minipar.core import blas
 from minipar.core.allocator import keep_freed_memory
 from minipar.course import command as course
+from minipar.dist.watchdog import timeout_from_env
 from minipar.plot import registry as plot_registry
 from minipar.trainer import commands
 from minipar.trainer.arguments import fail
@@ -30,6 +31,8 @@ COMMANDS = {
     "plot": plot_registry.main,
 }
 
+STARTS_RANKS = ("train", "bench", "course")  # the commands whose collectives the watchdog times
+
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -43,4 +46,9 @@ def main(argv=None) -> int:
         blas.use_from_env()
     except ValueError as why:  # every rank reads the same variable: all of them stop here, at once
         return fail("minipar", str(why))
+    if argv[0] in STARTS_RANKS:
+        try:
+            timeout_from_env()  # every rank reads the same variable: a typo stops all of them, at once
+        except ValueError as why:
+            return fail(f"minipar {argv[0]}", str(why))
     return COMMANDS[argv[0]](argv[1:])
