@@ -389,7 +389,9 @@ def check_loss_scaler(state, where: str) -> None:
     """None, or the fp16 loss scaler's state as DynamicLossScaler.state_dict writes it, in range."""
     if state is None:
         return
-    number = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
     valid = isinstance(state, dict) and set(state) == LOSS_SCALER_KEYS and number(state["scale"]) and \
         state["scale"] > 0 and number(state["growth_factor"]) and state["growth_factor"] >= 1 and \
         number(state["backoff_factor"]) and 0 < state["backoff_factor"] <= 1 and \

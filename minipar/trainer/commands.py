@@ -224,7 +224,8 @@ def schedule_main(argv: list[str]) -> int:
         return int(exit_request.code or 0)
     schedule = schedules.build_schedule(args.schedule, args.stages, args.microbatches, args.virtual_stages)
     try:
-        timeline = schedules.simulate(schedule, backward_cost=args.backward_cost, weight_cost=args.weight_cost)
+        timeline = schedules.simulate(schedule, backward_cost=args.backward_cost,
+                                      weight_cost=args.weight_cost)
     except schedules.TimelineTooLarge as why:
         return fail("minipar schedule", str(why))
     bubble = schedules.bubble_fraction(timeline)
