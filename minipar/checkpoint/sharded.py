@@ -88,18 +88,44 @@ def save(directory, engine, step: int, keep: int = 1) -> None:
               for name, kinds in held.items()}
     earlier = set().union(*world.allgather_obj(keys)[: world.rank])  # held by a lower rank: it writes them
     mine = sorted(keys - earlier, key=lambda key: key[:2])
-    folder = world.bcast_obj(new_folder(directory, step) if world.rank == 0 else None)
-    file = f"{folder}/rank{world.rank:05d}.npz"
-    arrays = {f"{name}/{kind}": held[name][kind][1] for name, kind, _ in mine}
-    size, digest = write_npz(directory / file, arrays, world.rank)
-    files = world.gather_obj((file, size, digest, mine, counts))
+    file = written = None
+    folder, problem = world.bcast_obj(_attempt(new_folder, directory, step) if world.rank == 0 else None)
+    if problem is None:
+        file = f"{folder}/rank{world.rank:05d}.npz"
+        arrays = {f"{name}/{kind}": held[name][kind][1] for name, kind, _ in mine}
+        written, problem = _attempt(write_npz, directory / file, arrays, world.rank)
+    # a full disk on any rank: every rank learns it here, none waits, the last manifest stays as it was
+    files = world.gather_obj((file, *written, mine, counts) if problem is None else problem)
     if world.rank == 0:
-        manifest = build_manifest(engine, step, folder, files)
-        text = manifest_text(manifest).encode()
-        write_atomically(directory / folder / MANIFEST, text, 0, "manifest")  # --resume DIR/step-...
-        write_atomically(directory / MANIFEST, text, 0, "manifest")  # the commit point
-        remove_old_folders(directory, keep)
-    world.bcast_obj(None)  # no rank returns before the checkpoint is committed
+        problem = next((entry for entry in files if isinstance(entry, str)), None)
+        if problem is None:
+            _, problem = _attempt(commit, directory, engine, step, folder, files, keep)
+    problem = world.bcast_obj(problem)  # no rank returns before the checkpoint is committed
+    if problem is not None:
+        raise SaveFailed(f"--save {directory}: the checkpoint of step {step} was not written ({problem}); "
+                         "the previous one is intact")
+
+
+class SaveFailed(OSError):
+    """A save that could not write its files (a full disk): every rank raises it with the same line."""
+
+
+def _attempt(write, *args):
+    """(write(*args), None), or (None, the one-line reason) when the file system refused."""
+    try:
+        return write(*args), None
+    except OSError as error:
+        where = f" {error.filename}" if error.filename else ""
+        return None, f"{error.strerror or error}{where}"
+
+
+def commit(directory: Path, engine, step: int, folder: str, files: list, keep: int) -> None:
+    """Rank 0, once every rank's file is in place: the manifests, then the older folders go."""
+    manifest = build_manifest(engine, step, folder, files)
+    text = manifest_text(manifest).encode()
+    write_atomically(directory / folder / MANIFEST, text, 0, "manifest")  # --resume DIR/step-...
+    write_atomically(directory / MANIFEST, text, 0, "manifest")  # the commit point
+    remove_old_folders(directory, keep)
 
 
 def new_folder(directory: Path, step: int) -> str:

@@ -167,3 +167,30 @@ def test_settings_a_run_does_not_use_are_not_compared(saved):
     assert sharded.run_settings(TINY) == {"lr": TINY.lr, "weight_decay": TINY.weight_decay,
                                           "batch_size": TINY.batch_size}
     assert validate(TINY.replace(resume=str(saved), steps=3, momentum=0.5, aux_loss_coef=0.5), 1) == []
+
+
+# ---- a full disk during a periodic save: one line, the previous checkpoint intact ------------------------
+
+
+@pytest.mark.parametrize("fails", ["write_npz", "write_atomically"])  # a rank's shard, rank 0's manifest
+def test_a_full_disk_at_the_second_save_stops_in_one_line_and_keeps_the_first(tmp_path, monkeypatch, fails):
+    import errno
+
+    real = getattr(sharded, fails)
+
+    def full_disk_after_the_first_save(path, *args):
+        if (tmp_path / "manifest.json").exists():  # the first checkpoint is committed
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, *args)
+
+    monkeypatch.setattr(sharded, fails, full_disk_after_the_first_save)
+    cfg = TINY.replace(steps=6, save=str(tmp_path), save_every=2)
+    with pytest.raises(train.RunStopped) as stopped:
+        run(cfg)
+    assert str(stopped.value).startswith(f"--save {tmp_path}: the checkpoint of step 4 was not written "
+                                         "(No space left on device ")
+    assert str(stopped.value).endswith("; the previous one is intact") and "\n" not in str(stopped.value)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "manifest.json").read_text())["step"] == 2
+    resumed = run(TINY.replace(steps=6, resume=str(tmp_path)))  # and it resumes like the whole run
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in run(TINY.replace(steps=6))][2:]
