@@ -18,6 +18,7 @@ from importlib.metadata import entry_points
 
 from minipar.core import blas
 from minipar.core.allocator import keep_freed_memory
+from minipar.distributed.watchdog import timeout_from_env
 from minipar.trainer import commands
 from minipar.trainer.arguments import fail
 
@@ -30,6 +31,7 @@ REFERENCE_COMMANDS = {
 LAB_COMMANDS = ("bench", "course", "plot")  # minipar_lab's, through its entry points
 LAB_GROUP = "minipar.commands"
 COMMANDS = (*REFERENCE_COMMANDS, *LAB_COMMANDS)
+STARTS_RANKS = ("train", "bench", "course")  # the commands whose collectives the watchdog times
 
 
 def lab_command(name: str):
@@ -50,6 +52,11 @@ def main(argv=None) -> int:
         blas.use_from_env()
     except ValueError as why:  # every rank reads the same variable: all of them stop here, at once
         return fail("minipar", str(why))
+    if argv[0] in STARTS_RANKS:
+        try:
+            timeout_from_env()  # every rank reads the same variable: a typo stops all of them, at once
+        except ValueError as why:
+            return fail(f"minipar {argv[0]}", str(why))
     if argv[0] in REFERENCE_COMMANDS:
         return REFERENCE_COMMANDS[argv[0]](argv[1:])
     command = lab_command(argv[0])

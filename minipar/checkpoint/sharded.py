@@ -9,6 +9,7 @@ needs, puts each tensor back together and cuts its own piece for the new layout:
 stage and world size may all change.
 
     DIR/manifest.json               the commit point: written last, atomically
+    DIR/.minipar-checkpoints        the marker: this folder is minipar's (written before the first save)
     DIR/step-000006/rank00000.npz   one file per rank of the saving layout: {"name/kind": piece}
     DIR/step-000006/rank00001.npz   ...
 
@@ -16,6 +17,11 @@ Atomic: every file is written as NAME.tmp, fsynced and renamed (a rename is all 
 save goes to a new step folder; only once every rank's file is in place does rank 0 replace the
 manifest the same way, and only then remove the previous folder. A crash at any moment leaves the
 old manifest with its complete folder, or the new manifest with its.
+
+Nothing of the user's is overwritten: --save refuses a folder that holds a manifest.json without the
+marker save() writes (`foreign_manifest`), and a save deletes only the step folders it made. Reading
+is as careful: the manifest and every shard must be regular files (a FIFO would block, /dev/zero would
+never end), and a shard's size is compared with the manifest's before a byte of it is read.
 
 What is saved: the parameters and optimizer states, the optimizer's step count, the loss scaler (fp16)
 and the step. The step is also the data position and the random state: a batch is a pure function of
@@ -34,13 +40,16 @@ passed in by the caller where no model exists yet (config validation). Lesson: l
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +63,9 @@ from minipar.parallel.logical_state import Piece, assemble
 
 FORMAT = "minipar-checkpoint-1"
 MANIFEST = "manifest.json"
+MARKER = ".minipar-checkpoints"  # in DIR: minipar wrote this folder's manifest (never the user's own)
+MARKER_TEXT = f"{FORMAT}: the checkpoints of minipar train live here (minipar/checkpoint/sharded.py)\n"
+MANIFEST_MAX_BYTES = 64 * 2**20  # a manifest is a few lines per tensor: more is not one of ours
 FOLDER = re.compile(r"step-\d{6}(\.\d+)?")  # the folders save() makes ...
 SHARD_FILE = re.compile(r"(rank\d{5}\.npz|manifest\.json)(\.tmp)?")  # ... and the only files in them
 
@@ -76,22 +88,51 @@ def save(directory, engine, step: int, keep: int = 1) -> None:
               for name, kinds in held.items()}
     earlier = set().union(*world.allgather_obj(keys)[: world.rank])  # held by a lower rank: it writes them
     mine = sorted(keys - earlier, key=lambda key: key[:2])
-    folder = world.bcast_obj(new_folder(directory, step) if world.rank == 0 else None)
-    file = f"{folder}/rank{world.rank:05d}.npz"
-    arrays = {f"{name}/{kind}": held[name][kind][1] for name, kind, _ in mine}
-    size, digest = write_npz(directory / file, arrays, world.rank)
-    files = world.gather_obj((file, size, digest, mine, counts))
+    file = written = None
+    folder, problem = world.bcast_obj(_attempt(new_folder, directory, step) if world.rank == 0 else None)
+    if problem is None:
+        file = f"{folder}/rank{world.rank:05d}.npz"
+        arrays = {f"{name}/{kind}": held[name][kind][1] for name, kind, _ in mine}
+        written, problem = _attempt(write_npz, directory / file, arrays, world.rank)
+    # a full disk on any rank: every rank learns it here, none waits, the last manifest stays as it was
+    files = world.gather_obj((file, *written, mine, counts) if problem is None else problem)
     if world.rank == 0:
-        manifest = build_manifest(engine, step, folder, files)
-        text = manifest_text(manifest).encode()
-        write_atomically(directory / folder / MANIFEST, text, 0, "manifest")  # --resume DIR/step-...
-        write_atomically(directory / MANIFEST, text, 0, "manifest")  # the commit point
-        remove_old_folders(directory, keep)
-    world.bcast_obj(None)  # no rank returns before the checkpoint is committed
+        problem = next((entry for entry in files if isinstance(entry, str)), None)
+        if problem is None:
+            _, problem = _attempt(commit, directory, engine, step, folder, files, keep)
+    problem = world.bcast_obj(problem)  # no rank returns before the checkpoint is committed
+    if problem is not None:
+        raise SaveFailed(f"--save {directory}: the checkpoint of step {step} was not written ({problem}); "
+                         "the previous one is intact")
+
+
+class SaveFailed(OSError):
+    """A save that could not write its files (a full disk): every rank raises it with the same line."""
+
+
+def _attempt(write, *args):
+    """(write(*args), None), or (None, the one-line reason) when the file system refused."""
+    try:
+        return write(*args), None
+    except OSError as error:
+        where = f" {error.filename}" if error.filename else ""
+        return None, f"{error.strerror or error}{where}"
+
+
+def commit(directory: Path, engine, step: int, folder: str, files: list, keep: int) -> None:
+    """Rank 0, once every rank's file is in place: the manifests, then the older folders go."""
+    manifest = build_manifest(engine, step, folder, files)
+    text = manifest_text(manifest).encode()
+    write_atomically(directory / folder / MANIFEST, text, 0, "manifest")  # --resume DIR/step-...
+    write_atomically(directory / MANIFEST, text, 0, "manifest")  # the commit point
+    remove_old_folders(directory, keep)
 
 
 def new_folder(directory: Path, step: int) -> str:
     """A fresh folder for this save's files, never the one the current manifest names."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / MARKER).is_file():  # before the first manifest: from now on the folder is ours
+        write_atomically(directory / MARKER, MARKER_TEXT.encode(), 0, "marker")
     current = committed_folder(directory)
     name, n = f"step-{step:06d}", 0
     # never the committed folder, nor a folder of the user's that happens to have the name
@@ -105,9 +146,43 @@ def new_folder(directory: Path, step: int) -> str:
 
 def committed_folder(directory: Path) -> str | None:
     try:
-        return json.loads((directory / MANIFEST).read_text())["folder"]
+        return json.loads(read_regular_file(directory / MANIFEST, MANIFEST_MAX_BYTES))["folder"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def read_regular_file(path: Path, max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most `max_bytes`; OSError (strerror: why) for anything else.
+
+    Opened without blocking (a FIFO would wait for a writer for ever) and checked with fstat before a
+    byte is read (a symlink to /dev/zero never ends)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(descriptor, "rb") as f:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if status.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"{status.st_size} bytes, more than the {max_bytes} expected")
+        return f.read(max_bytes + 1)
+
+
+def foreign_manifest(directory) -> str | None:
+    """--save DIR: why DIR is not ours to write a manifest into, or None. A folder is minipar's when it
+    holds the marker save() writes, or (checkpoints saved before the marker) when its manifest.json is
+    a minipar manifest whose digest checks; a folder without a manifest.json may hold anything else."""
+    directory = Path(directory)
+    manifest = directory / MANIFEST
+    if (directory / MARKER).is_file() or not (manifest.exists() or manifest.is_symlink()):
+        return None
+    try:
+        content = json.loads(read_regular_file(manifest, MANIFEST_MAX_BYTES))
+        if isinstance(content, dict) and content.get("format") == FORMAT and \
+                content.get("sha256") == manifest_digest(content):
+            return None
+    except (OSError, ValueError, TypeError):
+        pass
+    return (f"--save {directory} holds a {MANIFEST} that minipar did not write (no {MARKER} there): "
+            "saving would overwrite it; choose another folder")
 
 
 def write_npz(path: Path, arrays: dict, rank: int) -> tuple[int, str]:
@@ -169,14 +244,22 @@ def build_manifest(engine, step: int, folder: str, files: list) -> dict:
 
 def run_settings(cfg) -> dict:
     """What changes the mathematics of the steps to come, though not the model: --resume checks it,
-    and a change needs --allow-changes. (Micro-batches, like the layout, may change freely.)"""
-    return {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "batch_size": cfg.batch_size}
+    and a change needs --allow-changes. (Micro-batches, like the layout, precision, --fused and
+    --recompute, may change freely.) SGD's momentum and MoE's aux-loss weight where they are used."""
+    settings = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "batch_size": cfg.batch_size}
+    if cfg.optimizer == "sgd":
+        settings["momentum"] = cfg.momentum
+    if cfg.model == "moe":
+        settings["aux_loss_coef"] = cfg.aux_loss_coef
+    return settings
 
 
 def changed_settings(manifest: dict, cfg) -> dict:
-    """{option: (saved, now)} for each run setting this run changes."""
+    """{option: (saved, now)} for each run setting this run changes (a setting a checkpoint saved
+    before it was recorded cannot be compared)."""
     saved = manifest["run"]
-    return {key: (saved[key], value) for key, value in run_settings(cfg).items() if saved[key] != value}
+    return {key: (saved[key], value) for key, value in run_settings(cfg).items()
+            if key in saved and saved[key] != value}
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -272,11 +355,13 @@ def read_manifest(directory, cfg, model_config) -> dict:
     if not directory.is_dir():
         raise CheckpointError(f"{where}: no such directory")
     try:
-        manifest = json.loads((directory / MANIFEST).read_text())
+        manifest = json.loads(read_regular_file(directory / MANIFEST, MANIFEST_MAX_BYTES))
     except FileNotFoundError:
         raise CheckpointError(f"{where}: no {MANIFEST} (not a checkpoint, or a save that never finished)") \
             from None
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        raise CheckpointError(f"{where}: {MANIFEST} cannot be read ({e.strerror})") from None
+    except ValueError as e:
         raise CheckpointError(f"{where}: {MANIFEST} is unreadable or truncated ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{where}: {MANIFEST} is not a {FORMAT} manifest")
@@ -308,6 +393,7 @@ def check_against(manifest: dict, directory: Path, identity: dict, cfg, where: s
     if differences:
         raise CheckpointError(f"{where}: a checkpoint of another model ({', '.join(differences)})")
     check_tensors(manifest, expected_tensors(cfg.optimizer, cfg.momentum, cfg.model, identity), where)
+    check_loss_scaler(manifest["loss_scaler"], where)
     if manifest["seed"] != cfg.seed:
         raise CheckpointError(f"{where}: saved with --seed {manifest['seed']}, and the data position "
                               f"is (seed, step): resume with --seed {manifest['seed']}")
@@ -323,6 +409,27 @@ def check_against(manifest: dict, directory: Path, identity: dict, cfg, where: s
 
 def is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_loss_scaler(state, where: str) -> None:
+    """None, or the fp16 loss scaler's state as DynamicLossScaler.state_dict writes it, in range."""
+    if state is None:
+        return
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    valid = isinstance(state, dict) and set(state) == LOSS_SCALER_KEYS and number(state["scale"]) and \
+        state["scale"] > 0 and number(state["growth_factor"]) and state["growth_factor"] >= 1 and \
+        number(state["backoff_factor"]) and 0 < state["backoff_factor"] <= 1 and \
+        is_count(state["growth_interval"]) and state["growth_interval"] >= 1 and \
+        is_count(state["_growth_tracker"])
+    if not valid:
+        raise CheckpointError(f"{where}: {MANIFEST} is malformed (loss_scaler {state!r} is not a loss "
+                              "scaler's state: scale, growth and backoff factors, interval and tracker "
+                              "in range)")
+
+
+LOSS_SCALER_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
 
 
 def expected_tensors(optimizer: str, momentum: float, model: str, identity: dict) -> dict:
@@ -399,13 +506,20 @@ def check_cover(entries: list, shape: tuple, files: dict, what: str) -> None:
 
 
 def check_file(path: Path, expected: dict, what: str) -> None:
+    """The file is a regular file of the manifest's size (checked before reading) and SHA-256."""
+    if not is_count(expected["bytes"]):
+        raise CheckpointError(f"{what}: the manifest gives its size as {expected['bytes']!r}")
     try:
-        data = path.read_bytes()
-    except OSError:
+        data: bytes | None = read_regular_file(path, expected["bytes"])
+    except FileNotFoundError:
         raise CheckpointError(f"{what} is missing") from None
-    if len(data) != expected["bytes"]:
-        raise CheckpointError(f"{what} is truncated or altered: {len(data)} bytes, the manifest says "
-                              f"{expected['bytes']}")
+    except OSError as e:
+        if e.errno != errno.EFBIG:
+            raise CheckpointError(f"{what} cannot be read ({e.strerror})") from None
+        data = None  # longer than the manifest says: not read
+    if data is None or len(data) != expected["bytes"]:
+        raise CheckpointError(f"{what} is truncated or altered: {os.stat(path).st_size} bytes, the "
+                              f"manifest says {expected['bytes']}")
     if hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise CheckpointError(f"{what} is corrupt: its SHA-256 differs from the manifest's")
 
@@ -449,7 +563,7 @@ class SavedState:
 
 def changes_on_resume(directory, cfg) -> dict:
     """{option: [saved, now]}: the run settings a resume with --allow-changes changed (for the log)."""
-    manifest = json.loads((Path(directory) / MANIFEST).read_text())
+    manifest = json.loads(read_regular_file(Path(directory) / MANIFEST, MANIFEST_MAX_BYTES))
     return {key: list(pair) for key, pair in changed_settings(manifest, cfg).items()}
 
 

@@ -241,6 +241,9 @@ def routing_of(model) -> RoutingStats | None:
     return next((m.routing for m in model.modules() if isinstance(m, MoELayer)), None)
 
 
+OPTIONS = ("n_experts", "top_k", "capacity_factor", "aux_loss_coef")  # TrainConfig's fields of --model moe
+
+
 def config_errors(cfg) -> list[str]:
     """`--model moe`'s checks: one line each, naming the flags."""
     if cfg.model != "moe":

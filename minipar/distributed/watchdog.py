@@ -27,6 +27,7 @@ lessons/12_reliability.md.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import signal
@@ -41,19 +42,30 @@ INTERRUPT_GRACE_S = 0.5  # Ctrl-C: how long the main thread has to raise Keyboar
 
 
 def timeout_from_env() -> float:
-    """$MINIPAR_COLLECTIVE_TIMEOUT in seconds when set to a positive number, else 600."""
-    try:
-        seconds = float(os.environ.get(TIMEOUT_ENV, ""))
-    except ValueError:
+    """$MINIPAR_COLLECTIVE_TIMEOUT in seconds, a positive finite number; 600 when unset or empty.
+    Anything else is a ValueError with the one line to print: a typo ("5s") must not mean 600 s.
+    cli.py refuses it before a command that starts ranks runs."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
         return DEFAULT_TIMEOUT_S
-    return seconds if 0 < seconds < float("inf") else DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds: give a positive number "
+                         f"(e.g. 600), or leave it empty for {DEFAULT_TIMEOUT_S:g}")
+    return seconds
 
 
 class Watchdog:
     """The one wait in progress on this process's main thread, and the thread that watches it."""
 
     def __init__(self):
-        self.timeout_s = timeout_from_env()
+        try:
+            self.timeout_s = timeout_from_env()
+        except ValueError:  # refused by the command line before any rank waits (cli.py)
+            self.timeout_s = DEFAULT_TIMEOUT_S
         self.current: tuple | None = None  # (operation, communicator name, its world ranks, start)
         self.rank = 0
         self.thread: threading.Thread | None = None

@@ -155,6 +155,30 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
 
 
+# The simulator is plain Python (tens of microseconds an action, and a pass over the stages each time one
+# waits): sizes are bounded before it runs, so that any input answers in seconds, not hours. The
+# largest published run it models (Megatron's 1T: 64 stages, 512 micro-batches) fits.
+MAX_ACTIONS = 2**15  # stages x micro-batches x chunks
+MAX_VIRTUAL_STAGES = 256  # stages x chunks
+MAX_CELLS = 4_000_000  # the timeline: stages x slots
+
+
+def size_errors(stages: int, microbatches: int, virtual_stages: int = 1) -> list[str]:
+    """Why the simulator refuses these sizes (one line each), empty when it takes them."""
+    errors = []
+    if stages * virtual_stages > MAX_VIRTUAL_STAGES:
+        errors.append(f"stages x chunks = {stages * virtual_stages:,} is more than the {MAX_VIRTUAL_STAGES} "
+                      "the schedule simulator takes")
+    if stages * microbatches * virtual_stages > MAX_ACTIONS:
+        errors.append(f"stages x micro-batches x chunks = {stages * microbatches * virtual_stages:,} is "
+                      f"more than the {MAX_ACTIONS:,} the schedule simulator takes")
+    return errors
+
+
+class TimelineTooLarge(ValueError):
+    """The timeline would have more than MAX_CELLS slots (costs with a large ratio or denominator)."""
+
+
 def build_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The per-stage action lists of schedule `name` (one of SCHEDULES; V > 1 only for interleaved)."""
     if name not in SCHEDULES:
@@ -292,6 +316,9 @@ def simulate(schedule: Schedule, forward_cost=1, backward_cost=1, weight_cost=1)
                 if position[s] < len(schedule[s])
             )
             raise ValueError(f"schedule deadlocks: {waiting}")
+    if stages * max(rank_free_at) > MAX_CELLS:
+        raise TimelineTooLarge(f"the timeline has {stages:,} stages x {max(rank_free_at):,} slots of "
+                               f"{slot} time units, more than the {MAX_CELLS:,} cells it may hold")
     grid: list[list[Action | None]] = [[None] * max(rank_free_at) for _ in range(stages)]
     for (stage, action), begin in start.items():
         for cell in range(begin, begin + cost[action.op]):

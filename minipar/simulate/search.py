@@ -8,6 +8,7 @@ its reason: a size that does not divide (step.layout_errors) or memory beyond th
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from minipar.simulate.machines import Machine
@@ -16,7 +17,9 @@ from minipar.simulate.step import Layout, layout_errors, simulate_step
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """In increasing order, trying up to the square root: a million GPUs take a thousand tries."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def candidates(m: ModelShape, gpus: int, batch_size: int, mach: Machine, precision: str = "bf16"):
@@ -40,7 +43,8 @@ def search(m: ModelShape, gpus: int, batch_size: int, mach: Machine, precision: 
     for layout in candidates(m, gpus, batch_size, mach, precision):
         errors = layout_errors(m, layout)
         if errors:
-            refused[errors[0].split(" ")[0] + ": a size does not divide"] += 1
+            what = "too many to simulate" if "simulator" in errors[0] else "a size does not divide"
+            refused[errors[0].split(" ")[0] + ": " + what] += 1
             continue
         result = simulate_step(m, layout, mach)
         if not result["memory"]["fits"]:

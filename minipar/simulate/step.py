@@ -80,6 +80,8 @@ def layout_errors(m: ModelShape, lay: Layout) -> list[str]:
         errors.append(f"interleaved needs microbatches {lay.microbatches} to be a multiple of pp {lay.pp}")
     if lay.sp and lay.tp == 1:
         errors.append("sp needs tp > 1")
+    if lay.pp > 1:  # only a pipeline runs the schedule simulator
+        errors += schedules.size_errors(lay.pp, lay.microbatches, lay.virtual_stages)
     return errors
 
 

@@ -16,6 +16,7 @@ import sys
 import types
 import typing
 
+from minipar.core.moe import OPTIONS as MOE_OPTIONS
 from minipar.trainer.config import TrainConfig
 
 
@@ -30,13 +31,16 @@ def fail(prog: str, message: str) -> int:
     return 2
 
 
-def train_parser() -> argparse.ArgumentParser:
-    """One flag per TrainConfig field, from its type, default and metadata (config.option)."""
+def train_parser(defaults: bool = True) -> argparse.ArgumentParser:
+    """One flag per TrainConfig field, from its type, default and metadata (config.option).
+    `defaults=False`: a flag left out is absent from the result (what the user typed)."""
     p = OneLineParser(prog="minipar train", description="Train a model under mpiexec in any layout.")
     types_of = typing.get_type_hints(TrainConfig)
     for field in dataclasses.fields(TrainConfig):
         if field.metadata.get("command_line", True):
-            p.add_argument("--" + field.name.replace("_", "-"), **_argument(field, types_of[field.name]))
+            keywords = _argument(field, types_of[field.name])
+            p.add_argument("--" + field.name.replace("_", "-"),
+                           **keywords if defaults else {**keywords, "default": argparse.SUPPRESS})
     return p
 
 
@@ -61,6 +65,11 @@ def _argument(field: dataclasses.Field, annotation) -> dict:
 def parse_train_args(argv) -> TrainConfig:
     parser = train_parser()
     args = vars(parser.parse_args(argv))
+    typed = vars(train_parser(defaults=False).parse_args(argv))  # the options have defaults: what was typed
+    if args["model"] != "moe":  # like --ep: MoE's options alone would train a dense model unasked
+        for name in (name for name in MOE_OPTIONS if name in typed):
+            parser.error(f"--{name.replace('_', '-')} needs --model moe (the {args['model']} model has "
+                         "no experts)")
     for field in dataclasses.fields(TrainConfig):
         env, choices = field.metadata.get("env"), field.metadata.get("choices")
         if env is None or args[field.name] is not None:  # the flag wins over the environment

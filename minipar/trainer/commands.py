@@ -176,9 +176,13 @@ def _time_units(text: str) -> Fraction:
         value = Fraction(text)
     except (ValueError, ZeroDivisionError):
         raise argparse.ArgumentTypeError(f"invalid number of time units: {text!r}") from None
-    if value <= 0 or value.denominator > 100:
-        raise argparse.ArgumentTypeError(f"must be positive with a denominator of at most 100, got {text}")
+    if value <= 0 or value.denominator > 100 or value > MAX_COST:
+        raise argparse.ArgumentTypeError(f"must be positive, at most {MAX_COST}, with a denominator of at "
+                                         f"most 100, got {text}")
     return value
+
+
+MAX_COST = 1000  # time units of a backward or weight gradient, the forward's 1: the chart's width
 
 
 def _parse_schedule(argv: list[str]) -> argparse.Namespace:
@@ -208,6 +212,8 @@ def _parse_schedule(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--schedule interleaved needs --microbatches {args.microbatches} to be a "
                      f"multiple of --stages {args.stages}")
     args.weight_cost = Fraction(1) if args.weight_cost is None else args.weight_cost
+    for error in schedules.size_errors(args.stages, args.microbatches, args.virtual_stages):
+        parser.error(error)
     return args
 
 
@@ -218,7 +224,11 @@ def schedule_main(argv: list[str]) -> int:
     except SystemExit as exit_request:  # a one-line usage error (2), or --help (0)
         return int(exit_request.code or 0)
     schedule = schedules.build_schedule(args.schedule, args.stages, args.microbatches, args.virtual_stages)
-    timeline = schedules.simulate(schedule, backward_cost=args.backward_cost, weight_cost=args.weight_cost)
+    try:
+        timeline = schedules.simulate(schedule, backward_cost=args.backward_cost,
+                                      weight_cost=args.weight_cost)
+    except schedules.TimelineTooLarge as why:
+        return fail("minipar schedule", str(why))
     bubble = schedules.bubble_fraction(timeline)
     peaks = schedules.peak_inflight(schedule)
     microbatches = schedules.check_schedule(schedule)  # naive runs 1, whatever was asked

@@ -113,7 +113,8 @@ class TrainConfig:
     keep_last: int | None = option(None, "with --save: keep the K newest checkpoints (default: 1)",
                                    single_process=None)
     resume: str | None = option(None, "checkpoint directory to continue from", single_process=None)
-    allow_changes: bool = option(False, "--resume with another --lr, --weight-decay or --batch-size "
+    allow_changes: bool = option(False, "--resume with another --lr, --weight-decay, --batch-size, "
+                                 "--momentum (sgd) or --aux-loss-coef (moe) "
                                  "than the checkpoint's (logged)", single_process=False)
     collective_timeout: float | None = option(None, "seconds a rank may wait in one collective or "
                                               "pipeline receive before the job ends (the watchdog; "

@@ -164,7 +164,10 @@ class Trainer:
                   "the warm-up step needs", flush=True)
 
     def save(self, step: int) -> None:
-        checkpoint.save(self.cfg.save, self.engine, step, keep=self.cfg.keep_last or 1)
+        try:
+            checkpoint.save(self.cfg.save, self.engine, step, keep=self.cfg.keep_last or 1)
+        except checkpoint.SaveFailed as failure:  # every rank, together: one line, like a failed log write
+            raise RunStopped(str(failure)) from None
 
     def open_log(self):
         if not (self.cfg.log and self.is_rank0):

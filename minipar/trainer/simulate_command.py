@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 
 from minipar.parallel import schedules
@@ -51,6 +52,19 @@ def _positive(parser, args, names) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+MAX_GPUS = 10**7  # --search: the largest machine it ranks layouts for (today's largest: about 10^5)
+
+
+def _links_given(parser, args) -> None:
+    """Every bandwidth and latency given is a positive finite number: 0 divides, nan and inf print
+    nonsense, and a negative bandwidth prints a normal-looking time."""
+    for link in ("intra", "inter"):
+        for kind, unit in (("bandwidth", "GB/s"), ("latency", "microseconds")):
+            value = getattr(args, f"{link}_{kind}")
+            if value is not None and not 0 < value < math.inf:
+                parser.error(f"--{link}-{kind} must be a positive finite number of {unit}, got {value:g}")
 
 
 def _run_of(parser, args) -> tuple[ModelShape, Layout]:
@@ -133,6 +147,7 @@ def simulate_main(argv: list[str]) -> int:
     try:
         args = parser.parse_args(argv)
         _positive(parser, args, list(MODEL_FLAGS) + list(LAYOUT_FLAGS) + ["gpus_per_node"])
+        _links_given(parser, args)
         mach = _machine(args)
         if args.table1:
             _print_table1(presets.table1(mach), args.json)
@@ -140,6 +155,8 @@ def simulate_main(argv: list[str]) -> int:
         if args.search and args.gpus is None:
             parser.error("--search needs --gpus N")
         _positive(parser, args, ["gpus"])
+        if args.gpus is not None and args.gpus > MAX_GPUS:
+            parser.error(f"--gpus {args.gpus:,} is more than the {MAX_GPUS:,} a search takes")
         shape, layout = _run_of(parser, args) if not args.search else _search_run_of(parser, args)
     except SystemExit as exit_request:
         return int(exit_request.code or 0)

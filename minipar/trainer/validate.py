@@ -124,11 +124,14 @@ def estimated_bytes(cfg: TrainConfig) -> int:
     """A lower bound on the bytes one rank needs: its share of the model states (parameters, gradients
     and two optimizer rows, as if fully sharded) and one micro-batch's activations (a few (T, d) rows
     and the (T, T) attention scores per block, divided by tp). Computed from the options alone, so a
-    size that would take hours to allocate is refused at once."""
+    size that would take hours to allocate is refused at once. MoE: each block's MLP (8d² weights) is
+    E of them, and a router of E·d."""
     itemsize = 8 if cfg.precision == "fp64" else 4
     d, layers = cfg.d_model, cfg.n_layer
     if cfg.is_gpt:
         params = layers * 12 * d * d + (2 * 13 + cfg.seq_len) * d
+        if cfg.model == "moe":
+            params += layers * ((cfg.n_experts - 1) * 8 * d * d + cfg.n_experts * d)
         rows = cfg.batch_size // (cfg.dp * cfg.microbatches) * cfg.seq_len
         activations = layers * rows * (16 * d + 2 * cfg.n_head * cfg.seq_len) // (cfg.tp * cfg.pp)
     else:
@@ -144,9 +147,10 @@ def _memory(cfg: TrainConfig) -> list[str]:
     needed, available = estimated_bytes(cfg), physical_memory_bytes()
     if needed <= available:
         return []
+    experts = f" --n-experts {cfg.n_experts}" if cfg.model == "moe" else ""
     return [f"the model and batch need at least {needed / 2**30:,.1f} GiB per rank (--n-layer {cfg.n_layer} "
-            f"--d-model {cfg.d_model} --seq-len {cfg.seq_len} --batch-size {cfg.batch_size}), more than "
-            f"this machine's {available / 2**30:,.1f} GiB"]
+            f"--d-model {cfg.d_model}{experts} --seq-len {cfg.seq_len} --batch-size {cfg.batch_size}), more "
+            f"than this machine's {available / 2**30:,.1f} GiB"]
 
 
 def _backend(cfg: TrainConfig) -> list[str]:
@@ -207,6 +211,7 @@ def _paths(cfg: TrainConfig) -> list[str]:
     elif cfg.save is not None:
         existing = next(p for p in [Path(cfg.save), *Path(cfg.save).absolute().parents] if p.exists())
         errors += _writable("--save", cfg.save, existing)  # missing folders are created
+        errors += [problem] if (problem := checkpoint.foreign_manifest(cfg.save)) else []
     if errors or cfg.resume is None:
         return errors
     return checkpoint.problems(cfg, model_config(cfg))

@@ -26,13 +26,24 @@ def add_arguments(p) -> None:
 def curves(records: list[dict]) -> dict[str, list]:
     """{"step": [...], "loss": [...]} and "accuracy" where every record has that key; a loss the log
     wrote as null (not finite) is NaN, a gap in the line."""
-    if not records or not all("step" in r and "loss" in r for r in records):
-        raise ValueError("not a `minipar train --log` file: every line needs a step and a loss")
+    if not records:
+        raise ValueError("not a `minipar train --log` file: it has no records")
+    for line, record in enumerate(records, 1):
+        if not (isinstance(record, dict) and _is_number(record.get("step"), integer=True)
+                and (record.get("loss") is None and "loss" in record or _is_number(record.get("loss")))
+                and (record.get("accuracy") is None or _is_number(record["accuracy"]))):
+            raise ValueError(f"not a `minipar train --log` file: record {line} ({str(record)[:60]}) needs "
+                             "an integer step and a number (or null) as its loss")
     series = {"step": [r["step"] for r in records],
               "loss": [float("nan") if r["loss"] is None else r["loss"] for r in records]}
     if records and all("accuracy" in r for r in records):
         series["accuracy"] = [r["accuracy"] for r in records]
     return series
+
+
+def _is_number(value, integer: bool = False) -> bool:
+    kinds = int if integer else (int, float)
+    return isinstance(value, kinds) and not isinstance(value, bool)
 
 
 def draw(args, path: Path) -> None:

@@ -9,6 +9,7 @@ Defaults are small, so that `plot all` regenerates every picture in well under a
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from pathlib import Path
 
@@ -29,7 +30,12 @@ def parser_of(name: str, module) -> OneLineParser:
 def draw(name: str, argv: list[str]) -> Path:
     module = importlib.import_module(f"minipar_lab.plot.{name}")
     args = parser_of(name, module).parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:  # before any figure is computed: a run or a benchmark must not be wasted on a bad --out
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {args.out}: cannot make the folder ({error.strerror})") from None
+    if not os.access(args.out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {args.out}: the folder is not writable")
     path = args.out / module.FILE
     canvas.pyplot()  # no matplotlib: say so now, not after a figure's training runs or measurements
     module.draw(args, path)

@@ -27,6 +27,8 @@ from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.validate import validate
 
+MARKER = ".minipar-checkpoints"  # checkpoint/sharded.py: this folder is minipar's
+
 WORLD = MPI.COMM_WORLD
 TINY = TrainConfig(model="gpt", precision="fp64", n_layer=2, n_head=4, d_model=16, seq_len=8, batch_size=8,
                    steps=4, lr=1e-2, quiet=True)
@@ -111,7 +113,7 @@ def test_saving_again_at_the_same_step_keeps_the_old_files_until_the_new_manifes
     run(TINY.replace(steps=2, resume=str(tmp_path), save=str(tmp_path)))  # no step to run: saves again
     second = json.loads((tmp_path / "manifest.json").read_text())
     assert first["folder"] == "step-000002" and second["folder"] == "step-000002.1"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "step-000002.1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, "manifest.json", "step-000002.1"]
     renamed = json.dumps(first["tensors"]).replace("step-000002/", "step-000002.1/")
     assert second["tensors"] == json.loads(renamed)
 

@@ -21,6 +21,8 @@ from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.validate import validate
 
+MARKER = ".minipar-checkpoints"  # checkpoint/sharded.py: this folder is minipar's
+
 TINY = TrainConfig(model="gpt", precision="fp64", n_layer=1, n_head=2, d_model=8, seq_len=8, batch_size=4,
                    steps=2, lr=1e-2, quiet=True)
 
@@ -128,7 +130,7 @@ def test_saving_leaves_the_users_own_step_folders_alone(tmp_path):
     run(TINY.replace(steps=3, resume=str(tmp_path), save=str(tmp_path)))
     assert (notes / "todo.txt").read_text() == "mine" and (lookalike / "plot.png").read_bytes() == b"png"
     folders = sorted(p.name for p in tmp_path.iterdir())
-    assert folders == ["manifest.json", "step-000002", "step-000003", "step-notes"], folders
+    assert folders == [MARKER, "manifest.json", "step-000002", "step-000003", "step-notes"], folders
 
 
 # ---- periodic checkpoints, --keep-last, and what a resume may change -----------------------------------
@@ -137,7 +139,8 @@ def test_saving_leaves_the_users_own_step_folders_alone(tmp_path):
 def test_save_every_and_keep_last_keep_the_newest_committed_checkpoints(tmp_path):
     whole = run(TINY.replace(steps=7))
     run(TINY.replace(steps=7, save=str(tmp_path), save_every=2, keep_last=2))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "step-000006", "step-000007"]
+    listed = sorted(p.name for p in tmp_path.iterdir())
+    assert listed == [MARKER, "manifest.json", "step-000006", "step-000007"]
     # the older one resumes too, from its own manifest, and trains on like the uninterrupted run
     rest = run(TINY.replace(steps=7, resume=str(tmp_path / "step-000006")))
     assert [r["step"] for r in rest] == [6] and rest[0]["loss"] == whole[6]["loss"]
@@ -145,7 +148,7 @@ def test_save_every_and_keep_last_keep_the_newest_committed_checkpoints(tmp_path
 
 def test_keep_last_one_is_the_default(tmp_path):
     run(TINY.replace(steps=5, save=str(tmp_path), save_every=2))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "step-000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, "manifest.json", "step-000005"]
 
 
 @pytest.mark.parametrize("change, message", [

@@ -156,6 +156,12 @@ def test_cli_naive_ignores_microbatches(capsys):
     ["--stages", "4", "--microbatches", "4", "--schedule", "1f1b", "--backward-cost", "0"],
     ["--stages", "four", "--microbatches", "4", "--schedule", "1f1b"],
     ["--stages", "4", "--schedule", "1f1b"],
+    # sizes bounded before anything is allocated or simulated (issue 40)
+    ["--stages", "4", "--microbatches", "100000000", "--schedule", "1f1b"],
+    ["--stages", "400", "--microbatches", "4", "--schedule", "gpipe"],
+    ["--stages", "4", "--microbatches", "4", "--schedule", "1f1b", "--backward-cost", "1e8"],
+    ["--stages", "4", "--microbatches", "4", "--schedule", "zb-h1", "--weight-cost", "1e400"],
+    ["--stages", "4", "--microbatches", "800", "--schedule", "zb-h1", "--weight-cost", "999.99"],
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys):
     assert schedule_main(argv) == 2

@@ -175,3 +175,31 @@ def test_a_pipeline_the_trainer_refuses_is_refused_before_any_run():
         gantt.pipeline_args(1, "1f1b", 4)
     with pytest.raises(ValueError):
         gantt.pipeline_args(2, "1f1b", 5)  # 5 micro-batches do not divide the batch of 32
+
+
+@pytest.mark.parametrize("line", [
+    "3",  # a bare number
+    '{"step": 0, "loss": {"value": 1.0}}',  # a dict as the loss
+    '{"step": 0, "loss": "abc"}',  # a string would be drawn as a category: a meaningless chart
+    '{"step": "zero", "loss": 1.0}',
+    '{"step": 0, "loss": true}',
+    '{"step": 0, "loss": 1.0, "accuracy": "high"}',
+    "[1, 2]",
+])
+def test_a_malformed_log_line_is_one_line_and_exit_code_2(tmp_path, capsys, line):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 0, "loss": 2.0}\n' + line + "\n")
+    assert registry.main(["loss", "--log", str(log), "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("minipar plot loss: error: not a `minipar train --log` file: record 2 ")
+    assert captured.err.count("\n") == 1 and not (tmp_path / loss.FILE).exists()
+
+
+def test_an_out_that_cannot_be_made_is_refused_before_the_figure_is_computed(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setattr(loss, "draw", lambda args, path: pytest.fail("computed before --out was checked"))
+    for out in (tmp_path / "file", tmp_path / "file" / "sub"):
+        assert registry.main(["loss", "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"minipar plot loss: error: --out {out}: cannot make the folder (")
+        assert captured.err.count("\n") == 1

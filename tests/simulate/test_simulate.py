@@ -128,3 +128,37 @@ def test_json_has_the_keys_the_design_names(capsys):
     # MFU counts the 72 form, TFLOP/s the 96 form of full recomputation: their ratio is the FLOPs'
     assert report["tflops_per_gpu"] * 1e12 / (report["mfu"] * 312e12) == pytest.approx(
         hardware_flops(GPT3, 1536, "full") / model_flops(GPT3, 1536), rel=1e-12)
+
+
+# ---- bad links and sizes: one line, exit 2, at once (issue 40) -----------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--intra-bandwidth", "0"], "--intra-bandwidth must be a positive finite number of GB/s, got 0"),
+    (["--inter-bandwidth", "-3"], "--inter-bandwidth must be a positive finite number of GB/s, got -3"),
+    (["--inter-bandwidth", "nan"], "--inter-bandwidth must be a positive finite number of GB/s, got nan"),
+    (["--intra-bandwidth", "inf"], "--intra-bandwidth must be a positive finite number of GB/s, got inf"),
+    (["--intra-latency", "-1"], "--intra-latency must be a positive finite number of microseconds, got -1"),
+    (["--inter-latency", "nan"], "--inter-latency must be a positive finite number of microseconds, got nan"),
+    (["--inter-latency", "0"], "--inter-latency must be a positive finite number of microseconds, got 0"),
+    (["--preset", "gpt3-175b", "--intra-bandwidth", "nan"], "--intra-bandwidth must be a positive finite"),
+    (["--table1", "--inter-bandwidth", "inf"], "--inter-bandwidth must be a positive finite"),
+    (["--search", "--gpus", "1000000000000"], "--gpus 1,000,000,000,000 is more than the 10,000,000"),
+    (["--pp", "2", "--microbatches", "10000000", "--batch-size", "10000000", "--n-layer", "4"],
+     "stages x micro-batches x chunks = 20,000,000 is more than the 32,768 the schedule simulator takes"),
+    (["--pp", "4", "--virtual-stages", "128", "--n-layer", "512", "--microbatches", "4",
+      "--schedule", "interleaved"], "stages x chunks = 512 is more than the 256"),
+])
+def test_links_and_sizes_out_of_range_are_one_line_and_exit_2(argv, message, capsys):
+    assert simulate_main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"minipar simulate: error: {message}")
+    assert captured.err.count("\n") == 1, captured.err
+
+
+def test_search_on_ten_million_gpus_answers():
+    """The divisors of the GPU count are found up to its square root: 9,699,690 = 2·3·5·...·19 has 256."""
+    from minipar.simulate.search import _divisors
+    assert _divisors(9699690) == [d for d in range(1, 9699691) if 9699690 % d == 0]
+    assert _divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36] and _divisors(1) == [1]
+    assert simulate_main(["--search", "--gpus", "9699690", "--json"]) == 0

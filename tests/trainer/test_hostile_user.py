@@ -95,6 +95,29 @@ def test_the_memory_estimate_names_what_it_needs():
     assert validate(SMALL_CFG, 1) == []  # the small runs the tests use stay far below it
 
 
+def test_the_memory_estimate_counts_the_experts():
+    """--model moe --d-model 512 --n-experts 100000: 4 blocks of 100000 experts of 8 d^2 weights each,
+    four fp32 copies: about 13 TB, where the dense model's estimate is 0.2 GB."""
+    cfg = SMALL_CFG.replace(model="moe", n_layer=4, d_model=512, n_head=4, n_experts=100000).resolved(1)
+    assert validation.estimated_bytes(cfg) >= 4 * 4 * 4 * 100000 * 8 * 512 * 512
+    [error] = validate(cfg, 1)
+    assert "--d-model 512 --n-experts 100000" in error and "GiB per rank" in error, error
+    assert validate(SMALL_CFG.replace(model="moe"), 1) == []
+
+
+def test_moe_options_typed_without_model_moe_are_one_line_and_exit_2():
+    """They have defaults, so what was typed is what counts: --n-experts 4 (the default) too."""
+    from minipar.trainer.commands import _own_verdict
+    for typed in (["--n-experts", "4"], ["--top-k=2"], ["--capacity-factor", "2"], ["--aux-loss-coef", "0"]):
+        _, error, code = _own_verdict(["--steps", "1", *typed], 1, 0)
+        flag = typed[0].split("=")[0]
+        assert code == 2 and error == f"{flag} needs --model moe (the gpt model has no experts)", error
+        _, error, code = _own_verdict(["--steps", "1", "--model", "mlp", *typed], 1, 0)
+        assert error == f"{flag} needs --model moe (the mlp model has no experts)", error
+        assert _own_verdict(["--steps", "1", "--model", "moe", *typed], 1, 0)[1:] == ("", None)
+    assert _own_verdict(["--steps", "1"], 1, 0)[1:] == ("", None)  # left out: the defaults are fine
+
+
 def test_spawns_mpiexec_a_huge_size_is_refused_at_once_not_run_for_hours():
     result, seconds = minipar_train("--n-layer", "100000000")
     assert result.returncode == 2 and seconds < 20
@@ -265,9 +288,34 @@ def test_spawns_mpiexec_the_watchdog_does_not_fire_while_rank_0_checks_the_refer
 
 
 def test_the_default_timeout_comes_from_the_environment(monkeypatch):
-    for value, expected in [("30", 30.0), ("", 600.0), ("never", 600.0), ("-5", 600.0), ("inf", 600.0)]:
+    for value, expected in [("30", 30.0), ("0.5", 0.5), ("", 600.0), ("  ", 600.0)]:
         monkeypatch.setenv(watchdog.TIMEOUT_ENV, value)
         assert watchdog.timeout_from_env() == expected
+    monkeypatch.delenv(watchdog.TIMEOUT_ENV)
+    assert watchdog.timeout_from_env() == 600.0
+
+
+JUNK_TIMEOUTS = ["5s", "junk", "-3", "0", "never", "inf", "nan"]
+
+
+@pytest.mark.parametrize("value", JUNK_TIMEOUTS)
+def test_a_junk_timeout_in_the_environment_is_refused_in_one_line(monkeypatch, capsys, value):
+    """It used to mean 600 s without a word, where the other MINIPAR_ variables refuse junk."""
+    from minipar import cli
+    monkeypatch.setenv(watchdog.TIMEOUT_ENV, value)
+    with pytest.raises(ValueError):
+        watchdog.timeout_from_env()
+    for command in ("train", "bench"):
+        assert cli.main([command, "--steps", "1"]) == 2
+        assert capsys.readouterr().err == (
+            f"minipar {command}: error: MINIPAR_COLLECTIVE_TIMEOUT={value!r} is not a number of seconds: "
+            "give a positive number (e.g. 600), or leave it empty for 600\n")
+
+
+def test_spawns_mpiexec_a_junk_timeout_ends_every_rank_with_one_line_and_exit_2():
+    result, _ = minipar_train("--steps", "2", env={watchdog.TIMEOUT_ENV: "5s"})
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.count("minipar train: error: MINIPAR_COLLECTIVE_TIMEOUT='5s' is not a number") == 2
 
 
 # ---- periodic checkpoints: a job killed at step 9 of 10 with --save-every 4 -----------------------------

@@ -20,6 +20,8 @@ from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.validate import validate
 
+MARKER = ".minipar-checkpoints"  # checkpoint/sharded.py: this folder is minipar's
+
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--seq-len", "8", "--batch-size", "4"]
@@ -148,7 +150,8 @@ def test_spawns_mpiexec_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_
     assert [r["step"] for r in records] == [2, 3]
     losses, _ = train.reference_run(cfg.replace(resume=None))
     np.testing.assert_allclose([r["loss"] for r in records], losses[2:], rtol=1e-9)
-    assert sorted(p.name for p in directory.iterdir()) == ["manifest.json", "step-000004"]  # debris gone
+    # the debris is gone
+    assert sorted(p.name for p in directory.iterdir()) == [MARKER, "manifest.json", "step-000004"]
 
 
 @pytest.mark.parametrize("layout, rank", [(["--dp", "2"], 1), (["--pp", "2"], 0), (["--pp", "2"], 1),
