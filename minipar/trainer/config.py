@@ -17,6 +17,7 @@ from minipar.core.optim import OPTIMIZERS
 from minipar.core.recompute import RECOMPUTE_MODES
 from minipar.memory.offload import OFFLOADS, POLICIES
 from minipar.memory.tracer import budget_mb
+from minipar.parallel import clipping
 from minipar.parallel.schedules import SCHEDULES
 from minipar.parallel.zero import STAGES
 from minipar.precision.formats import PRECISIONS
@@ -91,6 +92,8 @@ class TrainConfig:
     weight_decay: float = option(0.0, "decoupled weight decay (AdamW), L2 penalty (SGD)")
     optimizer: str = option("adamw", "the optimizer", OPTIMIZERS)
     momentum: float = option(0.9, "SGD's momentum (with --optimizer sgd)")
+    clip_grad_norm: float | None = option(None, "clip the gradients' global L2 norm to MAX before the step "
+                                          "(clip_grad_norm_; logs grad_norm)", gradient_transform=clipping)
     seed: int = option(0, "seed of the initial weights and of the data")
     backend: str = option("numpy", "array backend", BACKEND_NAMES, env=BACKEND_ENV)
     n_layer: int = option(4, "transformer blocks (GPT) or layers (MLP)")
