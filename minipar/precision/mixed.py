@@ -160,7 +160,7 @@ def wrap_runner(cfg, model, runner, updater: Updater):
 
 
 def config_errors(cfg) -> list[str]:
-    """16-bit emulation runs in NumPy, over fp32 parameters that stay whole, with one optimizer step."""
+    """16-bit emulation runs in NumPy, over fp32 parameters that stay whole between steps."""
     if cfg.precision not in LOW_PRECISIONS:
         return []
     errors = []
@@ -170,7 +170,6 @@ def config_errors(cfg) -> list[str]:
     if cfg.zero == 3 or chunked:
         errors.append(f"--precision {cfg.precision} does not support --zero 3 or chunked offload: they "
                       "gather the fp32 parameters during forward, after the 16-bit working copy is made")
-    elif cfg.precision == "fp16" and cfg.loss_scaling and cfg.zero:
-        errors.append(f"--precision fp16 with --zero {cfg.zero}: the loss scaler checks all gradients "
-                      "before one optimizer step, and ZeRO updates shard by shard; use bf16 or --zero 0")
+    # fp16 with ZeRO 1 and 2: the loss scaling acts at the gradients-ready point, after the
+    # reduce-scatter and before any shard is updated, so every rank agrees on an overflow first
     return errors

@@ -231,7 +231,7 @@ def test_layouts_mixed_precision_cannot_serve_are_clear_errors():
                "parameters during forward, after the 16-bit working copy is made")
     assert validate(tiny(precision="bf16", zero=3, dp=2), 2) == [refused]
     assert validate(tiny(precision="bf16", offload="cpu", dp=2), 2) == [refused]
-    assert "use bf16 or --zero 0" in validate(tiny(precision="fp16", zero=1, dp=2), 2)[0]
+    assert validate(tiny(precision="fp16", zero=1, dp=2), 2) == []  # the gradients-ready point (api.py)
     assert validate(tiny(precision="fp16", zero=2, dp=2, loss_scaling=False), 2) == []
     assert validate(tiny(precision="bf16", zero=2, dp=2), 2) == []
     assert "use --backend numpy" in validate(tiny(precision="fp16", backend="cupy"), 1)[0]
