@@ -7,6 +7,19 @@ An engine (trainer/engine.py) is one rank's model plus two parts that every tech
     Updater  turns this rank's gradients into the next parameters, syncing them first where the
              technique needs to (LocalUpdater here, ddp, zero, zero3, zero_chunked)
 
+An Updater's step has two halves and one point between them, the *gradients-ready point*:
+
+    synchronize_gradients()   DDP's all-reduce, ZeRO's reduce-scatter, the experts' sums: after it
+                              every gradient this rank steps with is final, and nothing is updated yet
+    -- gradients ready --     the registered GradientTransforms run, in order, on ready_gradients():
+                              fp16's unscale and overflow verdict (precision/mixed.py), then clipping
+                              (clipping.py), as PyTorch's AMP recipe orders them; one may skip the step
+    apply_optimizer()         the optimizer on what this rank owns (ZeRO then all-gathers), unless skipped
+    release_gradients()       drop what the step kept (ZeRO's gradient shards), skipped or not
+
+A transform attaches with `updater.register_gradients_ready_hook(transform)` and gets a
+`RemovableHandle` back, like a module hook (core/hooks.py).
+
 Each interface is a `typing.Protocol` that also carries defaults: any object with these methods (and,
 for an Updater, its `model` and `optimizer`) satisfies it (`isinstance` checks at run time), and a class
 that derives from it explicitly inherits the defaults and must define what is abstract. The trainer
@@ -20,12 +33,16 @@ This file also holds the single-process parts, the plainest implementation of ea
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from minipar.core import autograd, backend
-from minipar.core.module import Module
+from minipar.core.backend import Array
+from minipar.core.hooks import HookList, RemovableHandle
+from minipar.core.module import Module, Parameter
 from minipar.core.optim import Optimizer
 from minipar.parallel.logical_state import load_whole, whole_pieces
 
@@ -71,23 +88,101 @@ class RunnerWrapper(Runner):
         return self.runner.log_record()
 
 
+@dataclass
+class GradientPiece:
+    """A part of one parameter's final gradient that this rank steps with, at the gradients-ready point.
+
+    `grad` holds the elements of the parameter's (tensor-parallel local) gradient, flattened, from
+    `offset` on: the whole gradient where the rank holds it whole, a slice of it where ZeRO shards it.
+    A transform may change `grad` in place; the optimizer then steps with what it holds. `counted` is
+    False on a data-parallel replica whose values another rank also holds (DDP's ranks but dp rank 0),
+    so that a sum over every rank counts each value once; a tensor-parallel replica is told by
+    `param.shard` (None: the same values on every tp rank)."""
+
+    name: str
+    param: Parameter
+    grad: Array
+    offset: int = 0
+    counted: bool = True
+
+
+class GradientTransform:
+    """What runs at the gradients-ready point: `__call__(pieces)` sees this rank's final gradients and
+    returns False to skip the step (every rank must return the same verdict), True or None to go on.
+    `pieces()` gives a fresh pass over them (chunked ZeRO-3 fetches each block for the pass)."""
+
+    @abstractmethod
+    def __call__(self, pieces) -> bool | None:
+        """Transform the gradients in place (or just look); False skips the step on this rank."""
+
+    def log_record(self) -> dict | None:
+        """Fields for the train log's record of the last step (e.g. `grad_norm`), or None."""
+        return None
+
+
 @runtime_checkable
 class Updater(Protocol):
     """The optimizer step of this rank, and the model states it holds.
 
     The defaults are those of a rank that holds its parameters (`self.model`) whole or as a
     tensor-parallel shard, with the optimizer's state for them (`self.optimizer`). An updater that
-    partitions them (ZeRO) overrides every method but `tier_traffic`."""
+    partitions them (ZeRO) overrides every method but `tier_traffic` and the gradients-ready point's."""
 
     model: Module  # this rank's model: whole, a tensor-parallel shard or a pipeline stage
-    optimizer: Optimizer  # for the model's parameters, or precision.mixed's LossScalingOptimizer around one
+    optimizer: Optimizer  # for the parameters this rank updates
+    gradient_transforms: HookList  # what runs at the gradients-ready point, in order
+    transforms_run: list  # those that ran in the last step (up to one that skipped it)
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
+        self.gradient_transforms, self.transforms_run = HookList(), []
+
+    def step(self) -> None:
+        """Turn the accumulated gradients into the next parameters: synchronise them, run the
+        gradients-ready point's transforms, apply the optimizer unless one skipped the step, release
+        the gradients. Collective where gradients are synced (and where a transform reduces)."""
+        self.synchronize_gradients()
+        if self.gradients_ready():
+            self.apply_optimizer()
+        self.release_gradients()
+
+    def synchronize_gradients(self) -> None:
+        """Make every gradient this rank steps with final (a collective where they are summed)."""
+
+    def ready_gradients(self) -> Iterable[GradientPiece]:
+        """This rank's final gradients, after `synchronize_gradients`, as pieces (a fresh pass per call)."""
+        return [GradientPiece(name, p, p.grad) for name, p in self.model.named_parameters()
+                if p.grad is not None]
 
     @abstractmethod
-    def step(self) -> None:
-        """Turn the accumulated gradients into the next parameters. Collective where gradients are synced."""
+    def apply_optimizer(self) -> None:
+        """The optimizer step on the parameters this rank owns, from the final gradients."""
+
+    def release_gradients(self) -> None:
+        """Drop what the step kept of the gradients (ZeRO's shards), whether or not it was skipped."""
+
+    def register_gradients_ready_hook(self, transform: GradientTransform,
+                                      first: bool = False) -> RemovableHandle:
+        """Run `transform` at the gradients-ready point, after those registered before (`first`: before
+        them all). Its handle's `remove()` takes it out."""
+        return self.gradient_transforms.add(transform, first=first)
+
+    def gradients_ready(self) -> bool:
+        """Run the transforms in order; False (skip the step) as soon as one says so: the later ones do
+        not run, and log nothing for the step (fp16's overflow: no `grad_norm` in that record)."""
+        self.transforms_run = []
+        for transform in self.gradient_transforms:
+            self.transforms_run.append(transform)
+            if transform(self.ready_gradients) is False:
+                return False
+        return True
+
+    def log_record(self) -> dict:
+        """The fields for the train log that the last step's transforms report (e.g. `grad_norm`)."""
+        record: dict = {}
+        for transform in self.transforms_run:
+            record.update(transform.log_record() or {})
+        return record
 
     def memory(self) -> dict:
         """Model-state bytes held after the step: {category: bytes}, or {category: {tier: bytes}}."""
@@ -155,6 +250,6 @@ class MicrobatchRunner(Runner):
 class LocalUpdater(Updater):
     """A plain optimizer step: nothing to synchronise."""
 
-    def step(self) -> None:
+    def apply_optimizer(self) -> None:
         with autograd.no_grad():
             self.optimizer.step()

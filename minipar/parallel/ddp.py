@@ -30,6 +30,8 @@ Lesson: lessons/03_data_parallel.md.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from minipar.core.backend import xp_of
 from minipar.core.hooks import RemovableHandle
 from minipar.core.module import Parameter
@@ -135,12 +137,15 @@ class DistributedDataParallel(LocalUpdater):
                     p.grad = None
                 self.in_flight[index] = self.comm.iall_reduce(flat)
 
-    def step(self):
+    def synchronize_gradients(self):
         if self.overlap:
             self.finish_overlapped()
         else:
             self.all_reduce_gradients()
-        super().step()
+
+    def ready_gradients(self):
+        """Every replica holds the same summed gradients: dp rank 0's count (GradientPiece.counted)."""
+        return [replace(piece, counted=self.comm.rank == 0) for piece in super().ready_gradients()]
 
     def gradients_of(self, bucket) -> list:
         missing = [p for p in bucket if p.grad is None]

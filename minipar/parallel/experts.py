@@ -22,6 +22,7 @@ Lesson: lessons/15_experts.md.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 from minipar.core import functional as F
@@ -139,13 +140,20 @@ class ExpertParallelUpdater(LocalUpdater):
         super().__init__(model, optimizer)
         self.dp, self.groups = dp, groups
 
-    def step(self) -> None:
+    def synchronize_gradients(self) -> None:
         with no_grad():
             for name, param in self.model.named_parameters():
-                comm = self.groups.edp if ".experts." in name else self.dp
+                comm = self.comm_of(name)
                 if param.grad is not None and comm.size > 1:
                     param.grad = comm.all_reduce(param.grad)
-        super().step()
+
+    def comm_of(self, name: str) -> Comm:
+        return self.groups.edp if is_expert(name) else self.dp
+
+    def ready_gradients(self):
+        """Each sum is the same on the ranks that made it: their first rank counts it (GradientPiece)."""
+        return [replace(piece, counted=self.comm_of(piece.name).rank == 0)
+                for piece in super().ready_gradients()]
 
 
 class TensorParallelMoEGPT(MoEGPT, TensorParallelGPT):
@@ -213,7 +221,7 @@ class ExpertParallelZero(Updater):
 
     def __init__(self, model, optimizer_of, dp: Comm, groups: ExpertGroups, stage: int,
                  prefetch: bool = False):
-        self.model = model
+        Updater.__init__(self, model, None)
         makers: dict[int, Callable[..., Updater]] = {
             1: ZeroStage1, 2: ZeroStage2, 3: partial(ZeroStage3, prefetch=prefetch)}
         make = makers[stage]
@@ -221,9 +229,20 @@ class ExpertParallelZero(Updater):
                       make(ModelPart(model, is_expert), optimizer_of([]), groups.edp)]
         self.optimizer = self.parts[0].optimizer
 
-    def step(self) -> None:
+    def synchronize_gradients(self) -> None:
         for part in self.parts:
-            part.step()
+            part.synchronize_gradients()
+
+    def ready_gradients(self):
+        return [piece for part in self.parts for piece in part.ready_gradients()]
+
+    def apply_optimizer(self) -> None:
+        for part in self.parts:
+            part.apply_optimizer()
+
+    def release_gradients(self) -> None:
+        for part in self.parts:
+            part.release_gradients()
 
     def memory(self) -> dict:
         held = [part.memory() for part in self.parts]

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
+
 from minipar.core import backend
 from minipar.core.backend import Array, xp_of
 from minipar.core.shards import padded_bounds, padded_numel
+from minipar.parallel.api import GradientPiece
 
 
 def unflatten(flat, shapes) -> list:
@@ -72,6 +75,28 @@ class FlatUnit:
         """Make every parameter's data a view into `flat`, so the model computes with its values."""
         for p, view in zip(self.params, unflatten(flat, self.shapes)):
             p.data = view
+
+
+def shard_pieces(tensors, grad_shard, start: int) -> list[GradientPiece]:
+    """The gradient pieces of a flat buffer's shard: `tensors` are (name, param, offset in the buffer,
+    numel; a released ZeRO-3 parameter's data is empty) and `grad_shard` holds the buffer's elements
+    from `start` on; each piece is a view of it."""
+    stop, pieces = start + grad_shard.size, []
+    for name, param, offset, numel in tensors:
+        lo, hi = max(offset, start), min(offset + numel, stop)
+        if lo < hi:
+            pieces.append(GradientPiece(name, param, grad_shard[lo - start : hi - start], offset=lo - offset))
+    return pieces
+
+
+def unit_tensors(unit: FlatUnit) -> list[tuple]:
+    """(name, param, offset in the unit's flat buffer, numel) of each of the unit's parameters."""
+    tensors, offset = [], 0
+    for name, param, shape in zip(unit.names, unit.params, unit.shapes):
+        numel = int(np.prod(shape, dtype=np.int64))
+        tensors.append((name, param, offset, numel))
+        offset += numel
+    return tensors
 
 
 def units_of(model, comm) -> list[FlatUnit]:

@@ -29,7 +29,7 @@ from minipar.core.hooks import RemovableHandle
 from minipar.memory.ledger import buffer_meter
 from minipar.memory.planner import STAGES as STAGES  # --zero's choices: 0 (DP), 1-2 here, 3 in zero3.py
 from minipar.parallel.api import Updater
-from minipar.parallel.flat_units import check_replicas_identical, units_of
+from minipar.parallel.flat_units import check_replicas_identical, shard_pieces, unit_tensors, units_of
 from minipar.parallel.logical_state import flat_unit_buffer, flat_unit_pieces
 
 
@@ -38,7 +38,8 @@ class ZeroStage1(Updater):
 
     def __init__(self, model, optimizer, comm):
         check_replicas_identical(model, comm)
-        self.model, self.optimizer, self.comm = model, optimizer, comm
+        super().__init__(model, optimizer)
+        self.comm = comm
         self.units = units_of(model, comm)
         for unit in self.units:
             unit.flat = unit.flatten([p.data for p in unit.params])
@@ -46,17 +47,36 @@ class ZeroStage1(Updater):
             unit.param_shard = unit.flat[unit.start : unit.stop]  # a view: updating it updates the model
             unit.state = optimizer.init_state(unit.shard_numel, unit.dtype, unit.xp)
 
-    def step(self):
+    def synchronize_gradients(self):
+        """Reduce-scatter every unit's full gradients: this rank keeps its shard of their sum until the
+        step is done (`buffer_meter` counts the shards, and each flat copy while it lives)."""
         # exercise 04.2: the ZeRO-1 step: reduce-scatter, update the shard, all-gather
         for unit in self.units:
             bucket = unit.flatten([p.grad for p in unit.params])
             buffer_meter.add(bucket.nbytes)
-            grad_shard = self.comm.reduce_scatter(bucket)
+            unit.grad_shard = self.comm.reduce_scatter(bucket)
+            buffer_meter.add(unit.grad_shard.nbytes)
             buffer_meter.release(bucket.nbytes)
             del bucket
-            self.update(unit, grad_shard)
+        # end exercise
+
+    def ready_gradients(self):
+        """This rank's shard of every unit's summed gradients, parameter by parameter (views)."""
+        return [piece for unit in self.units for piece in shard_pieces(unit_tensors(unit), unit.grad_shard,
+                                                                        unit.start)]
+
+    def apply_optimizer(self):
+        """Update this rank's shard of every unit, then all-gather the new parameters."""
+        # exercise 04.2: the ZeRO-1 step: reduce-scatter, update the shard, all-gather
+        for unit in self.units:
+            self.update(unit, unit.grad_shard)
             self.all_gather_params(unit)
         # end exercise
+
+    def release_gradients(self):
+        for unit in self.units:
+            buffer_meter.release(unit.grad_shard.nbytes)
+            unit.grad_shard = unit.xp.empty(0, dtype=unit.dtype)
 
     def update(self, unit, grad_shard):
         """The single-process update rule, on this rank's shard only: the same elementwise arithmetic."""
@@ -132,12 +152,12 @@ class ZeroStage2(ZeroStage1):
         del bucket
         buffer_meter.release(nbytes)
 
-    def step(self):
+    def synchronize_gradients(self):
         self.reduce_scatter_pending_grads()
+
+    def release_gradients(self):
         for unit in self.units:
-            self.update(unit, unit.grad_shard)
-            self.all_gather_params(unit)
-            unit.grad_shard[...] = 0
+            unit.grad_shard[...] = 0  # the next step's micro-batches add into it
 
     def reduce_scatter_pending_grads(self):
         """Units that no backward hook caught (the first one) still hold full gradients: send them now."""

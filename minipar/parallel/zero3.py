@@ -107,16 +107,19 @@ class ZeroStage3(ZeroStage2):
         super().reduce_scatter_grads(unit)
         self.release_params(unit)
 
-    def step(self):
-        """Each rank updates its own shards; nothing is gathered until the next forward needs it."""
+    def synchronize_gradients(self):
+        """Send the gradients no hook sent; no unit stays whole (nor is still being gathered)."""
         self.reduce_scatter_pending_grads()
         for index in list(self.prefetched):  # a gather no unit used (a schedule that went elsewhere)
             self.prefetched.pop(index).wait()
             buffer_meter.release(self.units[index].padded * self.units[index].dtype.itemsize)
         for unit in self.units:
             self.release_params(unit)
+
+    def apply_optimizer(self):
+        """Each rank updates its own shards; nothing is gathered until the next forward needs it."""
+        for unit in self.units:
             self.update(unit, unit.grad_shard)
-            unit.grad_shard[...] = 0
 
     def params_bytes(self) -> int:
         return sum(u.param_shard.nbytes for u in self.units)

@@ -37,7 +37,7 @@ from minipar.memory.ledger import buffer_meter, tier_meter
 from minipar.memory.offload import MiB, TieredStore
 from minipar.memory.tracer import AUTO, MemoryTracer, settled_budget
 from minipar.parallel.api import Updater
-from minipar.parallel.flat_units import check_replicas_identical, units_of
+from minipar.parallel.flat_units import check_replicas_identical, shard_pieces, units_of
 from minipar.parallel.logical_state import flat_pieces
 
 S = TensorState
@@ -53,7 +53,8 @@ class ChunkedZero3(Updater):
         by the warm-up's memory trace (Gemini), else by the budget alone; least_bytes: a floor for the
         least budget (the up-front estimate of size_errors, so that the figure it names passes it)."""
         check_replicas_identical(model, comm)
-        self.model, self.optimizer, self.comm = model, optimizer, comm
+        super().__init__(model, optimizer)
+        self.comm, self.gradients_zeroed = comm, False
         self.units = units_of(model, comm)
         self.chunks = pack_in_chunks([(name, p, i) for i, unit in enumerate(self.units)
                                       for name, p in zip(unit.names, unit.params)], chunk_numel)
@@ -187,9 +188,18 @@ class ChunkedZero3(Updater):
         chunk.payload = None
 
     # ---- updater protocol ----
-    def step(self):
-        """Each rank updates its shard of every chunk where the chunk's block is brought to."""
+    def synchronize_gradients(self):
         self.finish_backward()
+
+    def ready_gradients(self):
+        """This rank's shard of every chunk's summed gradients, each block fetched for the pass."""
+        for chunk in self.chunks:
+            with self.store.use((chunk.index, "grad")) as (grad,):
+                tensors = [(t.name, t.param, t.offset, t.numel) for t in chunk.tensors]
+                yield from shard_pieces(tensors, grad, self.start)
+
+    def apply_optimizer(self):
+        """Each rank updates its shard of every chunk where the chunk's block is brought to."""
         for i, scalars in enumerate(self.scalars):
             keys = [(i, "param"), (i, "grad")] + [(i, name) for name in self.state_names]
             with self.store.use(*keys) as (param, grad, *arrays):
@@ -197,7 +207,15 @@ class ChunkedZero3(Updater):
                 with autograd.no_grad():
                     self.optimizer.update(param, grad, state)
                 self.scalars[i] = {k: v for k, v in state.items() if k not in self.state_names}
+                grad[...] = 0  # for the next step, while the block is here
+        self.gradients_zeroed = True
+
+    def release_gradients(self):
+        """Zero the gradient blocks where a skipped step left them, then end the step."""
+        for i in range(len(self.chunks)) if not self.gradients_zeroed else []:
+            with self.store.use((i, "grad")) as (grad,):
                 grad[...] = 0
+        self.gradients_zeroed = False
         warm_up = self.store.warming_up()
         self.store.end_step()
         if warm_up:

@@ -6,10 +6,11 @@ The idea (Micikevicius et al., "Mixed Precision Training", 2018), as three piece
   gradient flowing back (`autograd.cast_outputs`). Gradients still accumulate into fp32 `.grad` arrays,
   so the many small micro-batch contributions are not rounded away; the optimizer updates the fp32
   master. The scalar loss stays fp32, as under PyTorch's autocast (cross-entropy runs in fp32).
-- `LossScalingOptimizer` (fp16 only) is PyTorch's `scaler.step(optimizer)`: the runner multiplied the
-  loss by the scale, so every gradient is `scale` times larger and small ones survive fp16; after the
-  gradient sync the gradients are divided by it, every rank learns whether any rank saw an inf or
-  NaN, and on overflow the step is skipped and the scale halved (`precision.DynamicLossScaler`).
+- `LossScaling` (fp16 only) is PyTorch's `scaler.unscale_` and `scaler.step(optimizer)`: the runner
+  multiplied the loss by the scale, so every gradient is `scale` times larger and small ones survive
+  fp16; at the updater's gradients-ready point (after DDP's all-reduce or ZeRO's reduce-scatter) the
+  gradients are divided by it, every rank learns whether any rank saw an inf or NaN, and on overflow
+  the step is skipped and the scale halved (`precision.DynamicLossScaler`).
 - `gradient_all_reduce` lets DDP send gradients in the 16-bit format over a ring (summing in fp32).
 
 What it saves: half the bytes of every value computed in 16 bits (activations, the working weights,
@@ -28,7 +29,7 @@ import numpy as np
 from minipar.core import autograd
 from minipar.distributed.collectives import Wire, ring_all_reduce
 from minipar.memory.ledger import buffer_meter
-from minipar.parallel.api import RunnerWrapper
+from minipar.parallel.api import GradientTransform, RunnerWrapper, Updater
 from minipar.precision.formats import DynamicLossScaler, Precision, pack_low, unpack_low
 
 LOW_PRECISIONS = ("bf16", "fp16")
@@ -50,11 +51,11 @@ def rounding_every_op(round_to):
 class MixedPrecisionRunner(RunnerWrapper):
     """Runs the inner runner on 16-bit working weights and activations; gradients land in fp32.
 
-    With a `LossScalingOptimizer`, the loss is multiplied by its current scale: the runners divide
+    With a `LossScaling` (fp16), the loss is multiplied by its current scale: the runners divide
     the summed loss by `normaliser`, so passing `normaliser / scale` scales it without touching them.
     """
 
-    def __init__(self, runner, params, round_to, loss_scaling: LossScalingOptimizer | None = None):
+    def __init__(self, runner, params, round_to, loss_scaling: LossScaling | None = None):
         self.runner, self.params, self.round_to = runner, list(params), round_to
         self.loss_scaling = loss_scaling
         self.cast = rounding_every_op(round_to)
@@ -82,26 +83,25 @@ class MixedPrecisionRunner(RunnerWrapper):
         return {"loss_scale": self.loss_scaling.last_scale, "skipped": self.loss_scaling.skipped}
 
 
-class LossScalingOptimizer:
-    """Wraps an optimizer: unscale the (already synchronised) gradients, share one overflow verdict
-    across all ranks, and step only when it is clean; then let the scaler back off or grow."""
+class LossScaling(GradientTransform):
+    """PyTorch's `scaler.unscale_(optimizer)` and the verdict of `scaler.step(optimizer)`, at the
+    updater's gradients-ready point (parallel/api.py): the runner multiplied the loss by the scale, so
+    the synchronised gradients are divided by it, every rank learns whether any rank's gradients hold
+    an inf or NaN, and on overflow the step is skipped on every rank (no parameter, moment or step
+    count changes); then the scaler backs off or grows. Each rank checks only what it steps with
+    (a ZeRO shard): an overflow anywhere reaches the shard that sums it, and the verdict is shared."""
 
-    def __init__(self, optimizer, scaler: DynamicLossScaler):
-        self.optimizer, self.scaler = optimizer, scaler
+    def __init__(self, scaler: DynamicLossScaler):
+        self.scaler = scaler
         self.last_scale, self.skipped, self.skipped_steps = scaler.get_scale(), False, 0
 
-    def __getattr__(self, name):  # everything else (params, state, lr, state_bytes) is the optimizer's
-        return getattr(self.optimizer, name)
-
-    def step(self):
-        grads = [p.grad for p in self.optimizer.params if p.grad is not None]
+    def __call__(self, pieces) -> bool:
         self.last_scale = self.scaler.get_scale()
-        with np.errstate(over="ignore", invalid="ignore"):
-            self.skipped = self.scaler.unscale_(grads)  # a collective: every rank steps or none does
+        with np.errstate(over="ignore", invalid="ignore"):  # a collective: every rank steps or none does
+            self.skipped = self.scaler.unscale_(piece.grad for piece in pieces())
         self.scaler.update(self.skipped)
         self.skipped_steps += self.skipped
-        if not self.skipped:
-            self.optimizer.step()
+        return not self.skipped
 
 
 def low_precision_wire(fmt: str) -> Wire:
@@ -122,39 +122,45 @@ def gradient_all_reduce(precision: str, comm):
     return all_reduce
 
 
-def loss_scaling_optimizer(cfg, optimizer, world, scaler: DynamicLossScaler | None = None):
-    """The optimizer to build the updater with: a `LossScalingOptimizer` around `optimizer` for fp16
-    (unless `cfg.loss_scaling` is off), else `optimizer` itself.
+def attach_loss_scaling(cfg, updater: Updater, world, scaler: DynamicLossScaler | None = None):
+    """For fp16 (unless `cfg.loss_scaling` is off): a `LossScaling` registered first at the updater's
+    gradients-ready point, so the gradients are unscaled and checked before any other transform sees
+    them; returns it (None for other precisions).
 
     The scaler is `scaler` if given, else one with PyTorch's defaults whose overflow verdict is shared
-    over `world`. The updater steps it after syncing the gradients (DDP), so the sync carries the
-    scaled gradients, as under PyTorch's DDP.
+    over `world`. The sync before the point carries the scaled gradients, as under PyTorch's DDP.
     """
     fmt = Precision.from_name(cfg.precision)
     if not (fmt.loss_scaling and cfg.loss_scaling):
-        return optimizer
+        return None
     scaler = scaler or DynamicLossScaler(all_reduce_max=lambda flag: world.allreduce_obj(flag, op="max"))
-    return LossScalingOptimizer(optimizer, scaler)
+    loss_scaling = LossScaling(scaler)
+    updater.register_gradients_ready_hook(loss_scaling, first=True)
+    return loss_scaling
 
 
-def wrap_runner(cfg, model, runner, optimizer):
+def loss_scaling_of(updater: Updater) -> LossScaling | None:
+    """The fp16 loss scaling registered at the updater's gradients-ready point, or None."""
+    return next((t for t in updater.gradient_transforms if isinstance(t, LossScaling)), None)
+
+
+def wrap_runner(cfg, model, runner, updater: Updater):
     """The runner for `cfg.precision`: itself for fp64/fp32, a MixedPrecisionRunner for bf16/fp16.
 
-    `optimizer` is the one the updater steps: a LossScalingOptimizer (loss_scaling_optimizer) tells
-    the runner which scale to multiply the loss by.
+    The updater's loss scaling (attach_loss_scaling) tells the runner which scale to multiply the
+    loss by.
     """
     fmt = Precision.from_name(cfg.precision)
     if fmt.round is None:
         return runner
-    loss_scaling = optimizer if isinstance(optimizer, LossScalingOptimizer) else None
-    return MixedPrecisionRunner(runner, model.parameters(), fmt.round, loss_scaling)
+    return MixedPrecisionRunner(runner, model.parameters(), fmt.round, loss_scaling_of(updater))
 
 
 # ---- what `minipar train --precision bf16 | fp16` composes with (trainer/validate.py gathers it) ----
 
 
 def config_errors(cfg) -> list[str]:
-    """16-bit emulation runs in NumPy, over fp32 parameters that stay whole, with one optimizer step."""
+    """16-bit emulation runs in NumPy, over fp32 parameters that stay whole between steps."""
     if cfg.precision not in LOW_PRECISIONS:
         return []
     errors = []
@@ -164,7 +170,6 @@ def config_errors(cfg) -> list[str]:
     if cfg.zero == 3 or chunked:
         errors.append(f"--precision {cfg.precision} does not support --zero 3 or chunked offload: they "
                       "gather the fp32 parameters during forward, after the 16-bit working copy is made")
-    elif cfg.precision == "fp16" and cfg.loss_scaling and cfg.zero:
-        errors.append(f"--precision fp16 with --zero {cfg.zero}: the loss scaler checks all gradients "
-                      "before one optimizer step, and ZeRO updates shard by shard; use bf16 or --zero 0")
+    # fp16 with ZeRO 1 and 2: the loss scaling acts at the gradients-ready point, after the
+    # reduce-scatter and before any shard is updated, so every rank agrees on an overflow first
     return errors

@@ -11,7 +11,8 @@ a function of its own, from the techniques in minipar/parallel:
     build_runner     pipeline.py's schedule over stages, or api.py's micro-batch loop (on this rank's
                      positions of the sequence under --cp: context.py)
     build_updater    how gradients are combined across replicas: ddp.py, zero.py, zero3.py,
-                     zero_chunked.py, or api.py's plain step
+                     zero_chunked.py, or api.py's plain step; and what runs where they are final
+                     (fp16's loss scaling, the options that declare a gradient transform)
     build_engine     the three, wrapped by precision/mixed.py for bf16 and fp16
 
 Lesson: lessons/07_3d.md.
@@ -34,6 +35,7 @@ from minipar.parallel.zero import ZeroStage1, ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
 from minipar.parallel.zero_chunked import build_chunked_zero3
 from minipar.precision import mixed as mixed_precision
+from minipar.trainer.config import gradient_transforms
 from minipar.trainer.engine import Engine
 from minipar.trainer.tasks import AdditionTask
 
@@ -114,11 +116,23 @@ def build_runner(cfg, grid, model):
 
 
 def build_updater(cfg, grid, model, scaler=None):
-    """The step across data-parallel replicas: chunked ZeRO-3, ZeRO 1-3, DDP, or a plain step (dp=1).
+    """The step across data-parallel replicas, with the transforms at its gradients-ready point
+    (parallel/api.py), in PyTorch AMP's order: fp16's unscale and overflow verdict (`scaler`, or
+    PyTorch's defaults), then each option that declares a `gradient_transform` (config.py), in the
+    order of TrainConfig's fields."""
+    updater = synchronising_updater(cfg, grid, model)
+    mixed_precision.attach_loss_scaling(cfg, updater, grid.world, scaler)
+    for transform in gradient_transforms():
+        transform.attach(cfg, grid, updater)
+    return updater
+
+
+def synchronising_updater(cfg, grid, model):
+    """How gradients are made final and applied: chunked ZeRO-3, ZeRO 1-3, DDP, or a plain step (dp=1).
     With --cp the replicas of the parameters are the dp x cp ranks (grid.dp_cp)."""
 
-    def optimizer_of(params):  # fp16: inside a loss-scaling optimizer (`scaler`, or PyTorch's defaults)
-        return mixed_precision.loss_scaling_optimizer(cfg, build_optimizer(cfg, params), grid.world, scaler)
+    def optimizer_of(params):
+        return build_optimizer(cfg, params)
 
     if chunked(cfg):
         return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # parallel/zero_chunked.py
@@ -145,13 +159,13 @@ def build_engine(cfg, grid) -> Engine:
     model = build_model(cfg, grid)
     runner, updater = build_runner(cfg, grid, model), build_updater(cfg, grid, model)
     # bf16/fp16: 16-bit working weights and activations over the fp32 masters (and, for fp16, the loss
-    # scaled by the updater's loss-scaling optimizer)
-    runner = mixed_precision.wrap_runner(cfg, model, runner, updater.optimizer)
+    # scaled by the scale of the loss scaling at the updater's gradients-ready point)
+    runner = mixed_precision.wrap_runner(cfg, model, runner, updater)
     return Engine(cfg, grid, model, runner, updater, loss_scaler_of(updater),
                   routing=routing_of(model) if cfg.model == "moe" else None)
 
 
 def loss_scaler_of(updater):
-    """The fp16 dynamic loss scaler inside the updater's optimizer (the checkpoint saves it), or None."""
-    optimizer = updater.optimizer
-    return optimizer.scaler if isinstance(optimizer, mixed_precision.LossScalingOptimizer) else None
+    """The fp16 dynamic loss scaler at the updater's gradients-ready point (the checkpoint saves it)."""
+    loss_scaling = mixed_precision.loss_scaling_of(updater)
+    return loss_scaling.scaler if loss_scaling is not None else None

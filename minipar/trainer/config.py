@@ -17,6 +17,7 @@ from minipar.core.optim import OPTIMIZERS
 from minipar.core.recompute import RECOMPUTE_MODES
 from minipar.memory.offload import OFFLOADS, POLICIES
 from minipar.memory.tracer import budget_mb
+from minipar.parallel import clipping
 from minipar.parallel.schedules import SCHEDULES
 from minipar.parallel.zero import STAGES
 from minipar.precision.formats import PRECISIONS
@@ -25,7 +26,7 @@ _KEEP = object()  # single_process: the reference run keeps this field's value
 
 
 def option(default, help: str, choices=None, *, command_line: bool = True, env: str | None = None,
-           single_process=_KEEP, parse=None):
+           single_process=_KEEP, parse=None, gradient_transform=None):
     """A TrainConfig field with its command-line metadata.
 
     `choices`: the allowed values (argparse's choices, and validate's). `command_line=False`: a field
@@ -33,7 +34,10 @@ def option(default, help: str, choices=None, *, command_line: bool = True, env: 
     `single_process`: the value the single-process reference run uses instead (a layout option, or
     one about this run's files and output); fields without it (the model, the data, the optimizer,
     the precision) are what the reference must share with the run. `parse`: the function that reads
-    the flag's text, where the field's type cannot (a number or a word).
+    the flag's text, where the field's type cannot (a number or a word). `gradient_transform`: the
+    module of a transform at the updater's gradients-ready point (parallel/api.py) that this option
+    turns on; it has `config_errors(cfg)`, which validate.py gathers, and `attach(cfg, grid, updater)`,
+    which build.py calls, so declaring the field is the transform's one registration line.
     """
     metadata = {"help": help, "command_line": command_line}
     if choices is not None:
@@ -44,6 +48,8 @@ def option(default, help: str, choices=None, *, command_line: bool = True, env: 
         metadata["single_process"] = single_process
     if parse is not None:
         metadata["parse"] = parse
+    if gradient_transform is not None:
+        metadata["gradient_transform"] = gradient_transform
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -86,6 +92,8 @@ class TrainConfig:
     weight_decay: float = option(0.0, "decoupled weight decay (AdamW), L2 penalty (SGD)")
     optimizer: str = option("adamw", "the optimizer", OPTIMIZERS)
     momentum: float = option(0.9, "SGD's momentum (with --optimizer sgd)")
+    clip_grad_norm: float | None = option(None, "clip the gradients' global L2 norm to MAX before the step "
+                                          "(clip_grad_norm_; logs grad_norm)", gradient_transform=clipping)
     seed: int = option(0, "seed of the initial weights and of the data")
     backend: str = option("numpy", "array backend", BACKEND_NAMES, env=BACKEND_ENV)
     n_layer: int = option(4, "transformer blocks (GPT) or layers (MLP)")
@@ -153,3 +161,9 @@ class TrainConfig:
     def is_gpt(self) -> bool:
         """A GPT on token data: dense (gpt) or mixture of experts (moe)."""
         return self.model in ("gpt", "moe")
+
+
+def gradient_transforms() -> list:
+    """The modules of the options that declare a gradient transform, in the order of the fields."""
+    return [f.metadata["gradient_transform"] for f in dataclasses.fields(TrainConfig)
+            if "gradient_transform" in f.metadata]

@@ -121,6 +121,7 @@ class Trainer:
         }
         record.update((key, value) for key, value in optional.items() if value)
         record.update(self.engine.routing or {})  # moe: aux_loss (a part of "loss"), tokens_per_expert
+        record.update(self.engine.updater.log_record())  # the gradients-ready point's (parallel/api.py)
         return record
 
     def run(self) -> list[dict]:

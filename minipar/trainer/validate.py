@@ -21,7 +21,7 @@ from minipar.core import backend, moe, recompute
 from minipar.parallel import context, experts, pipeline, sequence, tensor, zero_chunked
 from minipar.precision import mixed
 from minipar.trainer.build import build_model, build_optimizer, model_config
-from minipar.trainer.config import TrainConfig
+from minipar.trainer.config import TrainConfig, gradient_transforms
 
 
 def validate(cfg: TrainConfig, world_size: int) -> list[str]:
@@ -30,6 +30,7 @@ def validate(cfg: TrainConfig, world_size: int) -> list[str]:
     if errors:
         return errors
     errors = _layout(cfg.resolved(world_size), world_size) + mixed.config_errors(cfg) + _backend(cfg)
+    errors += [e for transform in gradient_transforms() for e in transform.config_errors(cfg)]
     errors = errors or _memory(cfg.resolved(world_size)) or _offload_dir(cfg)
     return errors or _chunked(cfg.resolved(world_size)) or _paths(cfg)
 

@@ -68,7 +68,7 @@ def build_engine(cfg: TrainConfig, precision: str, scaler_options, loss_divisor:
     grid = ProcessGrid(Comm(MPI.COMM_SELF), 1, 1, 1)
     model = build.build_model(cfg, grid)
     updater = build.build_updater(cfg, grid, model, scaler)
-    runner = mixed_precision.wrap_runner(cfg, model, build.build_runner(cfg, grid, model), updater.optimizer)
+    runner = mixed_precision.wrap_runner(cfg, model, build.build_runner(cfg, grid, model), updater)
     return LargerBatchEngine(cfg, grid, model, runner, updater, loss_divisor)
 
 

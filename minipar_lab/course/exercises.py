@@ -139,8 +139,10 @@ _ROWS = (
     Exercise("04.2", "the ZeRO-1 step: reduce-scatter, update the shard, all-gather",
              "The three stages: who holds what", 2, (
         Check(T + "parallel/test_zero.py::test_one_rank_trains_to_the_reference_and_holds_the_formulas_bytes[1]",
-              "per unit: flatten the gradients, reduce-scatter them (each rank gets the sum of its shard), "
-              "update only this rank's shard of the parameters, then all-gather the parameters"),
+              "synchronize_gradients, per unit: flatten the gradients, reduce-scatter them into "
+              "unit.grad_shard (each rank gets the sum of its shard; buffer_meter counts it until "
+              "release_gradients); apply_optimizer, per unit: update only this rank's shard of the "
+              "parameters, then all-gather the parameters"),
         Check(T + "parallel/test_zero.py::test_bytes_per_step_are_two_or_three_times_n_minus_one_over_n_of_the_model[1]",
               "ZeRO-1 sends what DDP sends, 2(N-1)/N of the model per step: one reduce-scatter and one "
               "all-gather of each unit's padded flat buffer", (2,)))),

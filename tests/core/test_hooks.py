@@ -27,7 +27,7 @@ from minipar.memory.ledger import MemoryLedger, TierMeter, buffer_meter, tier_me
 from minipar.parallel.zero import ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
 from minipar.parallel.zero_chunked import ChunkedZero3
-from minipar.precision.mixed import LossScalingOptimizer
+from minipar.precision.mixed import LossScaling, loss_scaling_of
 from minipar.trainer import build
 from minipar.trainer.config import TrainConfig
 
@@ -275,13 +275,13 @@ def test_the_chunked_store_relieves_ahead_of_ledgers_and_leaves_with_its_engine(
         assert ledger_listener in autograd.activation_meter.listeners.handles()
 
 
-def test_fp16_builds_the_updater_with_its_loss_scaling_optimizer_and_fused_adamw_by_argument():
+def test_fp16_registers_its_loss_scaling_at_the_gradients_ready_point_and_fused_adamw_by_argument():
     grid = ProcessGrid(Comm(MPI.COMM_SELF), 1, 1, 1)
     cfg = TrainConfig(model="mlp", n_layer=2, d_model=8, quiet=True, dp=1)
     fp16 = build.build_updater(cfg.replace(precision="fp16"), grid, build.build_model(cfg, grid))
     bf16 = build.build_updater(cfg.replace(precision="bf16"), grid, build.build_model(cfg, grid))
-    assert isinstance(fp16.optimizer, LossScalingOptimizer) and not isinstance(bf16.optimizer,
-                                                                               LossScalingOptimizer)
+    assert isinstance(loss_scaling_of(fp16), LossScaling) and loss_scaling_of(bf16) is None
+    assert list(fp16.gradient_transforms) == [loss_scaling_of(fp16)] and not bf16.gradient_transforms
     assert optim.AdamW([], update_rule=fused_training.adamw_update).update_rule is fused_training.adamw_update
     assert optim.AdamW([]).update_rule is optim.adamw_update
 

@@ -149,9 +149,10 @@ def test_pipeline_timing_reaches_the_log_through_mixed_precision():
 
 
 class HalfStepSGD(Updater):
-    """An updater of its own: plain SGD at half the optimizer's rate, and nothing but `step`."""
+    """An updater of its own: plain SGD at half the optimizer's rate, and nothing but `apply_optimizer`
+    (its step is Updater's: nothing to synchronise, no transform at the gradients-ready point)."""
 
-    def step(self):
+    def apply_optimizer(self):
         with autograd.no_grad():
             for p in self.model.parameters():
                 p.data -= 0.5 * self.optimizer.lr * p.grad
@@ -200,7 +201,7 @@ def test_a_part_without_its_required_method_cannot_be_made():
     class NoForwardBackward(Runner):
         pass
 
-    with pytest.raises(TypeError, match="step"):
+    with pytest.raises(TypeError, match="apply_optimizer"):
         NoStep(None, None)
     with pytest.raises(TypeError, match="forward_backward"):
         NoForwardBackward()
@@ -250,3 +251,49 @@ def test_on_two_ranks_the_builder_returns_parts_of_the_interfaces(comm, changes,
     assert all(("pipeline" in r) == (cfg.pp > 1) for r in records)
     if comm.rank == 0:
         assert {name: a.shape for name, a in full.items()} == parameter_shapes(TINY)
+
+
+# ---- the gradients-ready point: transforms attach with handles, see final gradients, may skip ---------
+
+
+class Skipper:
+    """A transform that records what it saw and says whether the step goes on."""
+
+    def __init__(self, go_on: bool):
+        self.go_on, self.seen = go_on, []
+
+    def __call__(self, pieces):
+        self.seen.append({piece.name: np.array(piece.grad).reshape(-1).copy() for piece in pieces()})
+        return self.go_on
+
+    def log_record(self):
+        return {"seen": len(self.seen)}
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_a_transform_sees_every_gradient_once_and_a_skip_changes_nothing(name):
+    """Every layout's pieces cover each parameter's gradient exactly once (summed back, they are the
+    plain run's gradients); a transform that returns False leaves every weight and optimizer state as
+    it was, the transforms after it do not run, and removing the handle detaches it."""
+    changes = ONE_RANK_LAYOUTS[name][0]
+    cfg = TINY.replace(**changes)
+    engine, plain = one_rank_engine(cfg), one_rank_engine(cfg.single_process())
+    looker, skipper, after = Skipper(True), Skipper(False), Skipper(True)
+    handles = [engine.updater.register_gradients_ready_hook(t) for t in (looker, skipper, after)]
+    before = engine.updater.checkpoint_pieces()
+    step_once(engine, cfg)
+    assert len(looker.seen) == 1 and len(skipper.seen) == 1 and after.seen == []
+    assert engine.updater.log_record() == {"seen": 1}  # the skipper's, the last that ran
+    for tensor, kinds in engine.updater.checkpoint_pieces().items():
+        for kind, (_, array) in kinds.items():
+            np.testing.assert_array_equal(array, before[tensor][kind][1], err_msg=f"{tensor} {kind}")
+    recorder = Skipper(True)
+    plain.updater.register_gradients_ready_hook(recorder)
+    step_once(plain, cfg)
+    assert looker.seen[0].keys() == recorder.seen[0].keys() == dict(plain.model.named_parameters()).keys()
+    for tensor, flat in recorder.seen[0].items():  # one rank: each parameter's whole gradient, once
+        # (relative to the tensor's norm: micro-batches sum in another order, near-zero entries differ)
+        assert np.linalg.norm(looker.seen[0][tensor] - flat) <= 1e-12 * np.linalg.norm(flat), tensor
+    handles[1].remove()  # the skipper gone, the step happens
+    step_once(engine, cfg)
+    assert len(skipper.seen) == 1 and len(after.seen) == 1

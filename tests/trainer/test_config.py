@@ -48,6 +48,7 @@ FLAGS = {
     "--weight-decay": (0.0, None, float),
     "--optimizer": ("adamw", ("adamw", "sgd"), str),
     "--momentum": (0.9, None, float),  # new: it was SGD's hard-coded 0.9
+    "--clip-grad-norm": (None, None, float),
     "--seed": (0, None, int),
     "--backend": (None, ("numpy", "cupy"), str),  # None: $MINIPAR_BACKEND, else numpy
     "--n-layer": (4, None, int),

@@ -23,8 +23,9 @@ from mpi4py import MPI
 from minipar.core import functional as F
 from minipar.core.autograd import Tensor
 from minipar.core.optim import AdamW
+from minipar.parallel.api import LocalUpdater
 from minipar.precision.formats import DynamicLossScaler
-from minipar.precision.mixed import LossScalingOptimizer
+from minipar.precision.mixed import LossScaling
 from minipar.trainer import loop
 from minipar.trainer.config import TrainConfig
 
@@ -254,6 +255,16 @@ def test_cross_entropy_of_logits_far_from_zero_is_finite_and_shift_invariant(off
 
 # ---- the fp16 loss scaler: a skipped step leaves no trace in the optimizer ----------------------------
 
+class ParameterList:
+    """Bare parameters seen as a model: what an updater steps."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def named_parameters(self):
+        return [(str(i), p) for i, p in enumerate(self.params)]
+
+
 def adamw_on(values):
     params = [Tensor(v.copy(), requires_grad=True) for v in values]
     return params, AdamW(params, lr=1e-2, weight_decay=0.1)
@@ -274,14 +285,16 @@ def test_a_skipped_step_leaves_the_optimizer_as_a_run_that_never_saw_that_batch(
 
     params, adamw = adamw_on(start)
     scaler = DynamicLossScaler(init_scale=2.0**8, growth_interval=100)
-    scaled = LossScalingOptimizer(adamw, scaler)
+    scaled = LossScaling(scaler)
+    updater = LocalUpdater(ParameterList(params), adamw)
+    updater.register_gradients_ready_hook(scaled)
     for step, g in enumerate(grads):
         scale = scaler.get_scale()  # the runner multiplied the loss, so every gradient, by the scale
         for p, gi in zip(params, g):
             p.grad = gi * scale
         if step == overflowing:
             params[1].grad[2] = np.inf
-        scaled.step()
+        updater.step()
         assert scaled.skipped == (step == overflowing)
     assert scaler.get_scale() == 2.0**7  # halved once, never grown
     for p, q in zip(params, clean_params):
