@@ -170,3 +170,36 @@ def test_pytorchs_linear_products_are_the_same_products_on_the_same_layouts():
                 assert tuple(s * array.itemsize for s in tensor.stride()) == array.strides, i
             assert out.dtype == torch.float32
             np.testing.assert_allclose(out.numpy(), value, rtol=1e-5, atol=1e-5 * np.abs(value).max())
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6])  # clipped, and left alone (the coefficient is 1)
+def test_clipping_scales_as_pytorchs_clip_grad_norm(max_norm):
+    """--clip-grad-norm's transform (parallel/clipping.py) on one rank's gradients against PyTorch's
+    `clip_grad_norm_` on the same gradients: the norm it logs and every clipped value."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from minipar.core.functional import mse_loss
+    from minipar.parallel.api import GradientPiece
+    from minipar.parallel.clipping import GradientClipping
+
+    model = nn.MLPNet(nn.MLPConfig(d_in=8, d_hidden=8, d_out=8, n_layer=3), seed=0)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((5, 8)), rng.standard_normal((5, 8))
+    mse_loss(model(x), y, "sum").backward()
+    named = list(model.named_parameters())
+    pieces = [GradientPiece(name, p, p.grad.reshape(-1).copy()) for name, p in named]
+    one_rank = SimpleNamespace(size=1)
+    grid = SimpleNamespace(tp_rank=0, dp_cp=one_rank, tp=one_rank, pp=one_rank)
+    clipping = GradientClipping(max_norm, grid)
+    clipping(lambda: pieces)
+
+    theirs = [torch.nn.Parameter(torch.from_numpy(p.data.copy())) for _, p in named]
+    for tensor, (_, p) in zip(theirs, named):
+        tensor.grad = torch.from_numpy(p.grad.copy())
+    norm = float(torch.nn.utils.clip_grad_norm_(theirs, max_norm))
+    assert clipping.grad_norm == pytest.approx(norm, rel=1e-12)
+    for tensor, piece in zip(theirs, pieces):
+        np.testing.assert_allclose(piece.grad, tensor.grad.numpy().reshape(-1), rtol=1e-12, atol=0)
+    if max_norm < norm:  # the clipped case really clipped
+        assert np.linalg.norm(np.concatenate([piece.grad for piece in pieces])) == pytest.approx(max_norm)
