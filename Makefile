@@ -1,4 +1,4 @@
-# minipar: make test | make demo | make bench | make figures | make lint | make lessons | make portability | make multinode | make course-selftest
+# minipar: make test | make demo | make bench | make figures | make lint | make lessons | make portability | make multinode | make course-selftest | make mutants
 # Every target builds .venv first if needed, and reinstalls only when pyproject.toml changed.
 
 SHELL := /bin/bash
@@ -17,7 +17,7 @@ export MKL_NUM_THREADS ?= 1
 START := $(shell date +%s)
 say = echo "[make] $(1): $$(( $$(date +%s) - $(2) )) s"
 
-.PHONY: test demo bench figures lint lessons portability setup multinode course-selftest
+.PHONY: test demo bench figures lint lessons portability setup multinode course-selftest mutants
 
 setup: $(INSTALLED)
 
@@ -65,6 +65,13 @@ multinode: $(INSTALLED)
 # and pass once the reference's files are copied back (minipar_lab/course/selftest.py; a few minutes).
 course-selftest: $(INSTALLED)
 	@t=$$(date +%s); $(PYTHON) -m minipar_lab.course.selftest; s=$$?; $(call say,course selftest,$$t); exit $$s
+
+# How many plausible bugs the tests catch: each mutant of tests/mutant_catalogue.py applied in a scratch
+# copy (the tree is never patched), the touched package's tests run with a timeout (tests/mutants.py).
+# Not part of make test. ONLY=text runs the mutants whose name contains it.
+mutants: $(INSTALLED)
+	@t=$$(date +%s); $(PYTHON) tests/mutants.py $(if $(ONLY),--only $(ONLY)); s=$$?; \
+	  $(call say,mutants,$$t); exit $$s
 
 bench: $(INSTALLED)
 	$(PYTHON) -m minipar bench all

@@ -5,10 +5,12 @@ scores every token, and the token goes to its k best experts only, its output th
 by the router's probabilities. Parameters grow E-fold while the work per token stays that of k MLPs.
 
 Capacity: an expert takes at most C = ceil(capacity_factor * T * k / E) tokens of each sequence of T
-tokens; the assignments of a sequence are taken in position order (position t's first choice, then its
-second, ..., then position t+1's), and those past C are dropped (their MoE output is 0, the residual
-carries them on). Capacity and the auxiliary load-balancing loss are computed per sequence (Megatron's
-`seq_aux_loss`), so how a batch is split over ranks never changes which tokens are dropped.
+tokens, computed exactly on the decimal the user typed (in floating point 1.1 * 25 * 2 / 5 is
+11.000000000000002: 12 slots instead of 11); the assignments of a sequence are taken in position order
+(position t's first choice, then its second, ..., then position t+1's), and those past C are dropped
+(their MoE output is 0, the residual carries them on). Capacity and the auxiliary load-balancing loss
+are computed per sequence (Megatron's `seq_aux_loss`), so how a batch is split over ranks never changes
+which tokens are dropped.
 
 Auxiliary loss (Switch, per sequence): aux_s = E * sum_e f_e * P_e, with f_e the share of the
 sequence's T*k assignments that chose e (before dropping) and P_e the router's mean probability for e
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from minipar.core import functional as F
 from minipar.core.autograd import Function, Tensor
@@ -54,8 +57,11 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
 
     def capacity(self, seq_len: int) -> int:
-        """Most tokens of one sequence an expert takes: ceil(factor * T * k / E), at least 1."""
-        return max(1, math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts))
+        """Most tokens of one sequence an expert takes: ceil(factor * T * k / E), at least 1, with the
+        factor taken as the decimal typed (`repr` gives the shortest decimal that reads back as the float;
+        `Fraction(1.1)` would be the binary float's value, a little above 1.1)."""
+        factor = Fraction(repr(float(self.capacity_factor)))
+        return max(1, math.ceil(factor * seq_len * self.top_k / self.n_experts))
 
 
 def route(probs, top_k: int, capacity: int):

@@ -116,6 +116,25 @@ def test_pieces_must_cover_every_element_once():
     sharded.check_cover(rows, (3, 4), files, "t")
 
 
+def test_pieces_that_overlap_without_a_hole_are_refused():
+    """Overlap alone is an error too, even when every element is there: halves [0, 6) and [6, 12) plus a
+    middle [3, 9) hold 6 elements twice and leave none out; [0, 8) and [4, 12) hold 4 twice; rows 0-1
+    and rows 1-2 of 3 hold row 1's 4 elements twice. A check for holes alone passes all three."""
+    files = {"f": {}}
+    flat = [{"file": "f", "shard": None, "flat": list(span), "kinds": ["param"]}
+            for span in ((0, 6), (6, 12), (3, 9))]
+    with pytest.raises(CheckpointError, match="leave 0 elements out and hold 6 twice"):
+        sharded.check_cover(flat, (3, 4), files, "t")
+    wide = [{"file": "f", "shard": None, "flat": list(span), "kinds": ["param"]}
+            for span in ((0, 8), (4, 12))]
+    with pytest.raises(CheckpointError, match="leave 0 elements out and hold 4 twice"):
+        sharded.check_cover(wide, (3, 4), files, "t")
+    rows = [{"file": "f", "shard": [0, 0, 2], "flat": None, "kinds": ["param"]},
+            {"file": "f", "shard": [0, 1, 3], "flat": None, "kinds": ["param"]}]
+    with pytest.raises(CheckpointError, match="leave 0 elements out and hold 4 twice"):
+        sharded.check_cover(rows, (3, 4), files, "t")
+
+
 # ---- saving deletes only what it wrote ----------------------------------------------------------------
 
 

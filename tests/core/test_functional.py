@@ -320,6 +320,36 @@ def test_softmax_and_log_softmax(op, shape, seed, data):
     np.testing.assert_allclose(out.data, expected, rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_causal_softmax_ignores_masked_scores_however_large(dtype):
+    """Query i sees keys 0..i: row i is the softmax of scores[i, :i+1] alone, computed here one row at a
+    time. The masked scores are +1000: a maximum taken over the whole row would subtract 1000 from the
+    visible ones, whose exponentials underflow to 0 (0/0: NaN); row 2's visible scores are near +800, so
+    a softmax with no maximum overflows. The gradient is softmax's on the visible part, 0 where masked."""
+    T = 5
+    rng = np.random.default_rng(11)
+    scores = 3 * rng.standard_normal((2, T, T))
+    scores[:, 2, :3] += 800.0
+    masked = np.triu(np.ones((T, T), bool), k=1)
+    scores[:, masked] = 1000.0
+    g = rng.standard_normal(scores.shape)
+    x = Tensor(scores.astype(dtype), True)
+    y = F.causal_softmax(x)
+    y.backward(g.astype(dtype))
+    want, want_grad = np.zeros_like(scores), np.zeros_like(scores)
+    for b in range(2):
+        for i in range(T):
+            seen = scores[b, i, :i + 1].astype(dtype).astype(np.float64)
+            p = np.exp(seen - seen.max())
+            p /= p.sum()
+            want[b, i, :i + 1] = p
+            want_grad[b, i, :i + 1] = p * (g[b, i, :i + 1] - (g[b, i, :i + 1] * p).sum())
+    rtol = 1e-13 if dtype == np.float64 else 1e-5
+    assert np.all(y.data[:, masked] == 0.0)
+    np.testing.assert_allclose(y.data, want, rtol=rtol, atol=rtol * 1e-2)
+    np.testing.assert_allclose(x.grad, want_grad, rtol=rtol, atol=rtol * 1e-2)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @EXAMPLES
 @given(n=st.integers(1, 5), c=st.integers(1, 5), seed=seeds)

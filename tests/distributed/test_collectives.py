@@ -11,12 +11,13 @@ import hypothesis.strategies as st
 import numpy
 import pytest
 from mpi4py import MPI
-from mpi_harness import at_world_size, mpi_given
+from mpi_harness import at_world_size, mpi_given, mpi_test
 
 from minipar.core.shards import shard_bounds, shard_sizes
 from minipar.distributed.collectives import (
     UNCHANGED,
     Wire,
+    all_to_all,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
@@ -160,3 +161,39 @@ def test_a_ring_of_one_returns_its_input_and_sends_nothing():
     report = ring.ledger.total_report()
     assert (report["sent_bytes"], report["messages"]) == (0, 0)
     assert report["by_dim_op"] == {"solo": {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}}
+
+
+# ---- links: each rank's bytes on the link to the rank it sends to ----------------------------------------
+
+# A group of at most 3 ranks (the `rings` fixture's) with its last rank alone on node "b": the link to
+# each rank's successor on the ring, and for all_to_all the bytes (4-element float64 blocks, 32 bytes) to
+# each destination split by link, written out: with 3, rank 0 sends to 1 (intra) and 2 (inter), rank 1 to
+# 0 (intra) and 2 (inter), rank 2 to 0 and 1 (both inter).
+SUCCESSOR_LINKS = {1: ["intra"], 2: ["inter", "inter"], 3: ["intra", "inter", "inter"]}
+ALL_TO_ALL_LINKS = {1: [(0, 0)], 2: [(0, 32), (0, 32)], 3: [(32, 32), (32, 32), (0, 64)]}
+
+
+@mpi_test
+def test_ring_collectives_and_all_to_all_charge_the_link_they_send_on(rings):
+    group = rings["group"]
+    n = group.size
+    nodes = ["a"] * (n - 1) + ["b"] if n > 1 else ["a"]
+    x = numpy.arange(6.0)
+    ops = {"all_reduce": lambda c: ring_all_reduce(c, x),
+           "reduce_scatter": lambda c: ring_reduce_scatter(c, x),
+           "all_gather": lambda c: ring_all_gather(c, x[slice(*shard_bounds(6, n, c.rank))], 6)}
+    wrong = []  # collected, not asserted at once: a rank that stopped early would leave the others waiting
+    for op, call in ops.items():
+        placed = Comm(group.mpi, name="group", ledger=TrafficLedger(), nodes=nodes)
+        call(placed)
+        sent, link = placed.ledger.step_report()["sent_bytes"], SUCCESSOR_LINKS[n][group.rank]
+        by_link = placed.ledger.step_links()["by_link"]
+        if (sent > 0) != (n > 1) or by_link != {"intra": 0, "inter": 0, link: sent}:
+            wrong.append((op, by_link, f"expected all {sent} bytes {link}"))
+    for nodes_here, expected in ((nodes, ALL_TO_ALL_LINKS[n][group.rank]), (["a"] * n, (32 * (n - 1), 0))):
+        placed = Comm(group.mpi, name="group", ledger=TrafficLedger(), nodes=nodes_here)
+        all_to_all(placed, numpy.zeros((n, 4)))
+        by_link = placed.ledger.step_links()["by_link"]
+        if (by_link["intra"], by_link["inter"]) != expected:
+            wrong.append(("all_to_all", nodes_here, by_link, f"expected (intra, inter) = {expected}"))
+    assert wrong == []

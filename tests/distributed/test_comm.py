@@ -377,6 +377,63 @@ def test_split_shares_the_ledger_and_control_messages_are_free(comm):
     assert set(comm.ledger.total_report()["by_dim"]) == {"half"}
 
 
+# The link of each rank's successor on the ring, written out, when a group's last rank is alone on a
+# node "b" and the others share node "a": with 3, rank 0 sends to 1 (same node), rank 1 to 2 and rank 2
+# to 0 (across); with 2, both cross. With 3 a charge taken to the predecessor's link is wrong too.
+SUCCESSOR_LINKS = {1: ["intra"], 2: ["inter", "inter"], 3: ["intra", "inter", "inter"]}
+
+
+def last_rank_alone(size: int) -> list[str]:
+    return ["a"] * (size - 1) + ["b"] if size > 1 else ["a"]
+
+
+def node_groups(comm) -> Comm:
+    """Groups of at most 3 ranks (rank // 3): 2 ranks make one pair, 4 ranks a ring of 3 and one alone."""
+    return comm.split(color=comm.rank // 3, key=comm.rank, name="group")
+
+
+def links_charged(group: Comm, nodes, call) -> tuple[dict, int]:
+    """(bytes by link, bytes sent) of one call on the group's ranks placed on `nodes`, a fresh ledger."""
+    placed = Comm(group.mpi, name="group", ledger=TrafficLedger(), nodes=nodes)
+    call(placed)
+    placed.barrier()
+    return placed.ledger.step_links()["by_link"], placed.ledger.step_report()["sent_bytes"]
+
+
+@mpi_test
+def test_each_charge_names_the_link_its_bytes_take(comm):
+    """A ring collective's bytes go to the successor, a send's to its destination: charged "inter" when
+    that rank is on another node, "intra" when on this one or when no nodes are given."""
+    group = node_groups(comm)
+    n, right, left = group.size, (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    x = numpy.arange(6.0)
+
+    def isend_then_recv(c):
+        request = c.isend(x, dest=right)
+        c.recv(x.shape, x.dtype, source=left)
+        request.Wait()
+
+    calls = {"all_reduce": lambda c: c.all_reduce(x),
+             "reduce_scatter": lambda c: c.reduce_scatter(x),
+             "all_gather": lambda c: c.all_gather(x[slice(*shard_bounds(6, n, c.rank))], 6),
+             "iall_reduce": lambda c: c.iall_reduce(x).wait(),
+             "iall_gather": lambda c: c.iall_gather(x[slice(*shard_bounds(6, n, c.rank))], 6).wait(),
+             "broadcast": lambda c: c.broadcast(x, root=0),
+             "sendrecv": lambda c: c.sendrecv(x, dest=right, source=left),
+             "isend": isend_then_recv}
+    wrong = []  # collected, not asserted at once: a rank that stopped early would leave the others waiting
+    for op, call in calls.items():
+        for nodes, expected in ((last_rank_alone(n), SUCCESSOR_LINKS[n][group.rank]),
+                                (["a"] * n, "intra"), (None, "intra")):
+            by_link, sent = links_charged(group, nodes, call)
+            other = "intra" if expected == "inter" else "inter"
+            chain_end = op == "broadcast" and group.rank == n - 1  # only receives
+            if by_link != {expected: sent, other: 0} or not (sent > 0 or n == 1 or chain_end):
+                wrong.append((op, nodes, by_link, f"expected all {sent} bytes {expected}"))
+    group.mpi.Free()
+    assert wrong == []
+
+
 def factorisations(size: int):
     return [(dp, pp, size // (dp * pp)) for dp in range(1, size + 1) for pp in range(1, size + 1)
             if size % (dp * pp) == 0]

@@ -61,6 +61,26 @@ def test_fusion_plan_ends_kernels_at_shared_values_roots_and_reductions():
     assert [len(k.nodes) for k in fx.one_kernel_per_op([expr])] == [1] * 6
 
 
+def test_a_value_used_twice_by_one_node_counts_as_one_consumer():
+    """fuse.py's own example: in y * y, y has one consumer (one kernel reads it once), so exp(a) * exp(a)
+    is one kernel reading a and writing the result: 2nw bytes, against 3 kernels and 5nw eager (exp
+    reads a, writes y; multiply reads y once, writes). y used by y * y and by tanh(y) has 2 consumers
+    and is materialised. Counting each argument slot would end a kernel at y: 2 kernels, 4nw."""
+    n, w = 100, 8
+    a = fx.array(np.linspace(-1.0, 1.0, n), name="a")
+    y = fx.exp(a)
+    square = y * y
+    kernels = fx.fuse([square])
+    assert [[node.op for node in k.nodes] for k in kernels] == [["exp", "multiply"]]
+    assert kernels[0].inputs == [a]
+    fused, stats = fx.run(square, fused=True, tile=32)
+    assert (stats.bytes_read, stats.bytes_written) == (n * w, n * w)
+    np.testing.assert_allclose(fused, np.exp(a.value) ** 2, rtol=1e-15)
+    both = fx.tanh(y) + y * y
+    assert [[node.op for node in k.nodes] for k in fx.fuse([both])] == [
+        ["exp"], ["tanh", "multiply", "add"]]
+
+
 def chain_of_eight(a, b, ops=np):
     """8 elementwise operations (bench fusion's chain, written out): add, multiply, subtract, multiply,
     maximum, add, sqrt, multiply. `ops` provides maximum and sqrt: numpy for arrays, fusion for nodes."""

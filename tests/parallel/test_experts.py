@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 import tempfile
+from fractions import Fraction
 
 import hypothesis.strategies as st
 import numpy as np
@@ -39,10 +40,11 @@ def gelu(x):
 def reference_moe(x, params, E, k, capacity_factor):
     """The MoE layer by its definition, one token at a time: softmax router, the k most probable
     experts (ties to the lower index), each sequence's assignments admitted in position order while
-    the expert has room (C = ceil(factor*T*k/E)), outputs weighted by the router's probabilities.
+    the expert has room (C = ceil(factor*T*k/E), exactly, on the decimal typed: `Fraction(repr(factor))`),
+    outputs weighted by the router's probabilities.
     Returns the output, the summed per-sequence aux loss E * sum_e f_e P_e and the kept counts."""
     B, T, D = x.shape
-    C = max(1, math.ceil(capacity_factor * T * k / E))
+    C = max(1, math.ceil(Fraction(repr(capacity_factor)) * T * k / E))
     out, aux, kept_counts = np.zeros_like(x), 0.0, np.zeros(E, dtype=int)
     for b in range(B):
         room, chosen = [C] * E, np.zeros(E)
@@ -102,6 +104,43 @@ def test_over_capacity_tokens_are_dropped_in_position_order():
     assert np.all(np.abs(out[:, :2]).sum(-1) > 0)
     assert np.all(out[:, 2:] == 0.0)
     assert layer.tokens_per_expert == [4, 0, 0, 0]
+
+
+@pytest.mark.parametrize("factor,T,k,E,expected", [
+    (1.1, 25, 2, 5, 11),    # 1.1*25*2/5 = 11 exactly; in floating point 11.000000000000002, so 12
+    (0.07, 50, 2, 7, 1),    # 7/7 = 1 (float: 1.0000000000000002)
+    (0.28, 50, 1, 7, 2),    # 14/7 = 2 (float: 2.0000000000000004)
+    (2.2, 50, 1, 5, 22),    # 110/5 = 22 (float: 22.000000000000004)
+    (1.11, 50, 2, 3, 37),   # 111/3 = 37 (float: 37.00000000000001)
+    (1.25, 32, 2, 8, 10),   # lesson 15's question: 80/8 = 10
+    (1.1, 10, 1, 4, 3),     # 11/4 = 2.75, up to 3
+    (0.75, 6, 2, 3, 3),     # 9/3 = 3
+    (0.01, 8, 1, 4, 1),     # 0.02: at least one slot
+    (2, 7, 3, 4, 11),       # an int factor: 42/4 = 10.5, up to 11
+])
+def test_capacity_is_the_ceiling_of_the_exact_decimal(factor, T, k, E, expected):
+    """C = ceil(factor * T * k / E) on the decimal the user typed, worked out by hand in the comments:
+    floating point overshoots exact integers (and `Fraction(1.1)`, the float's binary value, is above
+    1.1 too), which gives an expert one slot more than the definition."""
+    assert MoEConfig(E, k, factor).capacity(T) == expected
+
+
+def test_an_exact_integer_capacity_keeps_exactly_that_many_tokens():
+    """Every token of 25 prefers expert 0, then expert 1 (their router rows dominate positive inputs):
+    at factor 1.1, k 2, E 5 each expert has 11 slots (not the 12 of floating point), so of each sequence
+    the first 11 positions get outputs from both, the other 14 from neither."""
+    layer = randomised_layer(5, 2, 1.1)
+    layer.router.weight.data[...] = 0.0
+    layer.router.weight.data[0] = 1.0
+    layer.router.weight.data[1] = 0.5
+    x = np.abs(np.random.default_rng(4).normal(size=(2, 25, 8))) + 0.1
+    out = layer(Tensor(x)).data
+    assert layer.tokens_per_expert == [22, 22, 0, 0, 0]
+    assert np.all(np.abs(out[:, :11]).sum(-1) > 0)
+    assert np.all(out[:, 11:] == 0.0)
+    ref_out, _, ref_kept = reference_moe(x, layer_params(layer), 5, 2, 1.1)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-14)
+    assert list(ref_kept) == [22, 22, 0, 0, 0]
 
 
 def small_moe(seed=0, k=2, factor=0.75, coef=0.5):
@@ -274,7 +313,7 @@ def test_expert_parallel_trains_like_one_process(layout, top_k, capacity_factor,
         # backward; 6 when backward reruns the forward), each sending ep-1 of its ep blocks: (E, b, C, d)
         # fp64 elements, b this rank's sequences
         layers = cfg.n_layer // pp  # 2 blocks on 2 stages: one each (embedding and head are lighter)
-        C = math.ceil(capacity_factor * cfg.seq_len * top_k / cfg.n_experts)
+        C = math.ceil(Fraction(repr(capacity_factor)) * cfg.seq_len * top_k / cfg.n_experts)
         b = cfg.batch_size // dp // microbatches
         per_layer = 6 if recompute == "full" else 4
         block = (cfg.n_experts // ep) * b * C * cfg.d_model * 8

@@ -15,6 +15,7 @@ from minipar.core.shards import padded_numel
 from minipar.distributed import watchdog
 from minipar.distributed.communicator import Comm
 from minipar.memory.ledger import buffer_meter
+from minipar.memory.offload import MiB
 from minipar.parallel.ddp import DistributedDataParallel
 from minipar.trainer import build
 from minipar.trainer import loop as train
@@ -133,6 +134,43 @@ def test_a_gradient_that_grows_after_its_bucket_started_is_still_summed_whole(co
             updater.all_reduce_gradients()
         else:
             assert updater.in_flight, "the head's bucket should be in flight"
+            updater.finish_overlapped()
+        summed[no_overlap] = {name: p.grad.copy() for name, p in engine.model.named_parameters()}
+    for name, want in summed[True].items():
+        np.testing.assert_allclose(summed[False][name], want, rtol=1e-12, atol=1e-15, err_msg=name)
+
+
+@mpi_test
+def test_a_late_gradient_on_one_parameter_of_a_shared_bucket_is_summed_too(comm):
+    """The same with the head's three parameters (ln_f's weight and bias, lm_head's weight) in one
+    bucket, exactly their bytes, and only ln_f's weight growing after the bucket started: the others'
+    gradients went into the flat copy, so "any gradient grew" differs from "all grew" here, and the
+    step must sum the late part. Expected: the all-reduce of the hook-made gradients plus sum over
+    ranks of rank + 1, written out here; the blocking run gives the same."""
+    n = comm.size
+    head_bytes = sum(p.data.nbytes for p in build.build_model(tiny(), None).units()[-1][1].parameters())
+    summed = {}
+    for no_overlap in (False, True):
+        cfg = tiny(dp=n, batch_size=n, bucket_mb=head_bytes / MiB, steps=1, no_overlap=no_overlap)
+        trainer = train.Trainer(cfg, comm.mpi)
+        engine, updater = trainer.engine, trainer.engine.updater
+        head = engine.model.units()[-1][1]
+        assert len(updater.buckets[0]) == 3 and {id(p) for p in updater.buckets[0]} == \
+            {id(p) for p in head.parameters()}
+        inputs, targets = trainer.task.global_batch(0, cfg.batch_size)
+        mine = local_slice(len(inputs), n, comm.rank)
+        engine.model.zero_grad()
+        engine.runner.forward_backward(inputs[mine], targets[mine], engine.normaliser(targets))
+        weight = head.ln_f.weight
+        late = np.full(weight.shape, comm.rank + 1.0)
+        if no_overlap:
+            hook_made = comm.mpi.allreduce(weight.grad)
+            weight.grad = weight.grad + late
+            updater.all_reduce_gradients()
+            np.testing.assert_allclose(weight.grad, hook_made + n * (n + 1) / 2, rtol=1e-12)
+        else:
+            assert 0 in updater.in_flight and all(p.grad is None for p in head.parameters())
+            weight.grad = late  # the bucket's all-reduce took all three; only this one grows
             updater.finish_overlapped()
         summed[no_overlap] = {name: p.grad.copy() for name, p in engine.model.named_parameters()}
     for name, want in summed[True].items():

@@ -53,6 +53,24 @@ def test_pipeline_bubble_is_the_1f1b_formula(stages, microbatches):
     assert result["bubble_fraction"] == pytest.approx((stages - 1) / (microbatches + stages - 1), rel=1e-12)
 
 
+@pytest.mark.parametrize("stages,microbatches", [(4, 8), (2, 4), (3, 5)])
+def test_zb_h1_step_is_its_schedules_makespan_with_the_backward_split_in_halves(stages, microbatches):
+    """With no communication the backward is 2 forwards; zb-h1 splits it into B = W = 1. Each stage
+    then computes 3 units per micro-batch, and the first stage's last W ends K-1 units after the
+    pipeline could have: makespan 3M + K - 1 forwards (Zero Bubble's (K-1)(F+B-W) bubble), against
+    1F1B's 3(M + K - 1). The ratio of the two step times is independent of the forward's seconds;
+    a backward counted 1.5 times (B or W a whole backward) moves it. Bubble: (K-1)/(3M+K-1)."""
+    K, M = stages, microbatches
+    shape = ModelShape(stages * 2, 64, 4, 32, 27)
+    quiet = GPUS["a100-80gb"].__class__(**{**GPUS["a100-80gb"].__dict__, "intra_latency": 0.0,
+                                           "intra_bandwidth": float("inf")})
+    zb = simulate_step(shape, Layout(M, microbatches=M, pp=K, schedule="zb-h1"), quiet)
+    one_f_one_b = simulate_step(shape, Layout(M, microbatches=M, pp=K, schedule="1f1b"), quiet)
+    expected = Fraction(3 * M + K - 1, 3 * (M + K - 1))
+    assert zb["step_s"] / one_f_one_b["step_s"] == pytest.approx(float(expected), rel=1e-12)
+    assert zb["bubble_fraction"] == pytest.approx((K - 1) / (3 * M + K - 1), rel=1e-12)
+
+
 @pytest.mark.parametrize("recompute,zero", [("none", 0), ("full", 1), ("selective", 0)])
 def test_memory_equals_the_ledger_of_a_real_run(recompute, zero):
     cfg = TrainConfig(model="gpt", precision="fp64", steps=1, batch_size=4, microbatches=2, seq_len=16,

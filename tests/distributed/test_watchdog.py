@@ -1,0 +1,56 @@
+"""The watchdog (distributed/watchdog.py) on its own, in a child process (it ends the process it runs in):
+a wait past the timeout ends it within a tick or so with the one line, measured on the wait's own clock;
+waits each shorter than the timeout, however many, and time outside any wait never fire it. The
+end-to-end runs (a stalled rank under mpiexec) are in tests/trainer/test_hostile_user.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+PREAMBLE = """
+import time
+from minipar.distributed import watchdog
+watchdog.set_collective_timeout({timeout})
+"""
+
+
+def run_child(body: str, timeout: float, limit_s: float) -> tuple[subprocess.CompletedProcess, float]:
+    script = PREAMBLE.format(timeout=timeout) + textwrap.dedent(body)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=limit_s)
+    return result, time.monotonic() - started
+
+
+def test_a_wait_past_the_timeout_ends_the_process_with_one_line_naming_it():
+    """Timeout 1 s, a wait of 20: the process ends with code 1 after at least 1 s (and well before 20),
+    saying it waited 1 s (not 0: a clock read the wrong way round fires at the first tick)."""
+    body = """
+        with watchdog.watching("all_reduce", "dp", [0, 1], 0):
+            time.sleep(20)
+        print("the wait returned")
+    """
+    result, seconds = run_child(body, timeout=1, limit_s=60)
+    assert result.returncode == 1 and result.stdout == "", (result.stdout, result.stderr)
+    assert result.stderr == ("minipar: error: rank 0 waited 1 s in all_reduce on communicator 'dp' "
+                             "(world ranks [0, 1]), past --collective-timeout 1: a rank of it stalled "
+                             "or died\n")
+    assert 1 <= seconds < 1 + 12, seconds  # the lower bound is exact; the upper allows for a loaded machine
+
+
+def test_short_waits_and_time_between_waits_never_fire_it():
+    """Timeout 2 s: six waits of 0.5 s (3 s in all, each under the timeout) and then 2.5 s outside any
+    wait. The clock starts again at each wait and stops when it ends: a watchdog that measured from its
+    first wait, or kept the last wait as current, would end the process."""
+    body = """
+        for _ in range(6):
+            with watchdog.watching("all_gather", "tp", [0, 1], 0):
+                time.sleep(0.5)
+            assert watchdog.WATCHDOG.current is None
+        time.sleep(2.5)
+        print("done")
+    """
+    result, _ = run_child(body, timeout=2, limit_s=60)
+    assert result.returncode == 0 and result.stdout == "done\n" and result.stderr == "", result.stderr
