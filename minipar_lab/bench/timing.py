@@ -21,7 +21,8 @@ One way of timing for all of them, so that their figures can be set side by side
             configurations it is running (`Progress`).
   faults    a step's minor page faults (`minor_page_faults`) show what the allocator did beside the
             time: first touches of pages the kernel handed out.
-Used by every file in minipar_lab/bench; the lessons' examples launch their mpiexec jobs with mpiexec().
+Used by every file in minipar_lab/bench. Launching a job under mpiexec and reading its log is the
+reference's own (minipar/trainer/launch.py): the tests and the lessons use it too.
 """
 
 from __future__ import annotations

@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpi4py import MPI
-from test_manifest import TINY, edited
+from test_manifest import TINY, edited, run
 
 from minipar.checkpoint import sharded
 from minipar.trainer import loop as train
@@ -25,13 +24,6 @@ from minipar.trainer.validate import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
-
-
-def run(cfg):
-    trainer = train.Trainer(cfg.resolved(1), MPI.COMM_SELF)
-    records = trainer.run()
-    trainer.memory.close()
-    return records
 
 
 @pytest.fixture(scope="module")
