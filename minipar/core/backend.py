@@ -26,9 +26,12 @@ Lesson: lessons/11_gpu.md.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy
+
+from minipar.core.options import option
 
 # The type of the arrays the engine computes on, for annotations only: a numpy.ndarray, or on a GPU a
 # cupy.ndarray, which has the same interface (CuPy ships no types, so the checker reads both as NumPy's).
@@ -37,6 +40,12 @@ Array = numpy.ndarray
 BACKEND_NAMES = ("numpy", "cupy")
 BACKEND_ENV = "MINIPAR_BACKEND"  # the backend `minipar train` uses when --backend is not given
 CUDA_AWARE_ENV = "MINIPAR_CUDA_AWARE"  # 1: this MPI reads device memory, skip the staging copies
+
+
+@dataclass
+class BackendOptions:
+    """The array backend (core/backend.py)."""
+    backend: str = option("numpy", "array backend", BACKEND_NAMES, env=BACKEND_ENV)
 
 
 class Backend:

@@ -46,6 +46,7 @@ from minipar.core.nn import (
     Linear,
     causal_attention,
 )
+from minipar.core.options import option
 from minipar.core.recompute import recomputing
 
 
@@ -247,24 +248,25 @@ def routing_of(model) -> RoutingStats | None:
     return next((m.routing for m in model.modules() if isinstance(m, MoELayer)), None)
 
 
-OPTIONS = ("n_experts", "top_k", "capacity_factor", "aux_loss_coef")  # TrainConfig's fields of --model moe
+@dataclass
+class MoEOptions:
+    """Mixture of experts (core/moe.py; with --model moe)."""
+    n_experts: int = option(4, "--model moe: experts per block (core/moe.py)")
+    top_k: int = option(1, "--model moe: experts each token is routed to")
+    capacity_factor: float = option(1.0, "--model moe: an expert takes at most ceil(factor*T*k/E) "
+                                    "tokens of each sequence; the rest are dropped in position order")
+    aux_loss_coef: float = option(0.01, "--model moe: weight of the load-balancing loss")
 
 
-def config_errors(cfg) -> list[str]:
-    """`--model moe`'s checks: one line each, naming the flags."""
-    if cfg.model != "moe":
-        return []
+def config_errors(options: MoEOptions) -> list[str]:
+    """`--model moe`'s checks: one line each, naming the flags (the trainer asks them of moe runs)."""
     errors = []
-    if cfg.n_experts < 1:
-        errors.append(f"--n-experts must be at least 1 (got {cfg.n_experts})")
-    elif not 1 <= cfg.top_k <= cfg.n_experts:
-        errors.append(f"--top-k must be between 1 and --n-experts {cfg.n_experts} (got {cfg.top_k})")
-    if not (math.isfinite(cfg.capacity_factor) and cfg.capacity_factor > 0):
-        errors.append(f"--capacity-factor must be a positive number (got {cfg.capacity_factor})")
-    if not (math.isfinite(cfg.aux_loss_coef) and cfg.aux_loss_coef >= 0):
-        errors.append(f"--aux-loss-coef must be a non-negative number (got {cfg.aux_loss_coef})")
-    if cfg.sp:
-        errors.append("--model moe does not support --sp (routing needs whole sequences on each rank)")
-    if cfg.cp > 1:
-        errors.append("--model moe does not support --cp > 1 yet (experts with --cp are not built)")
+    if options.n_experts < 1:
+        errors.append(f"--n-experts must be at least 1 (got {options.n_experts})")
+    elif not 1 <= options.top_k <= options.n_experts:
+        errors.append(f"--top-k must be between 1 and --n-experts {options.n_experts} (got {options.top_k})")
+    if not (math.isfinite(options.capacity_factor) and options.capacity_factor > 0):
+        errors.append(f"--capacity-factor must be a positive number (got {options.capacity_factor})")
+    if not (math.isfinite(options.aux_loss_coef) and options.aux_loss_coef >= 0):
+        errors.append(f"--aux-loss-coef must be a non-negative number (got {options.aux_loss_coef})")
     return errors

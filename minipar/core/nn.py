@@ -16,9 +16,29 @@ from minipar.core import functional as F
 from minipar.core.backend import current as current_backend
 from minipar.core.backend import xp_of
 from minipar.core.module import Module, ModuleList, Parameter, initial_value  # noqa: F401
+from minipar.core.options import option
 from minipar.core.recompute import checkpoint
 
 MODELS = ("gpt", "mlp", "moe")  # `minipar train --model`: GPT or MLPNet below, MoEGPT in moe.py
+
+
+@dataclass
+class ModelOptions:
+    """The model (core/nn.py, core/moe.py)."""
+    model: str = option("gpt", "the model: a GPT on digit addition, or an MLP on regression", MODELS)
+    n_layer: int = option(4, "transformer blocks (GPT) or layers (MLP)")
+    n_head: int = option(4, "attention heads per block")
+    d_model: int = option(64, "width of the residual stream (GPT) or of the hidden layers (MLP)")
+    seq_len: int = option(32, "tokens per sequence (the GPT's context)")
+
+    @property
+    def is_gpt(self) -> bool:
+        """A GPT on token data: dense (gpt) or mixture of experts (moe)."""
+        return self.model in ("gpt", "moe")
+
+    def n_units(self) -> int:
+        """Pipeline units of the model: embedding + blocks + head for the GPT, layers for the MLP."""
+        return self.n_layer + 2 if self.is_gpt else self.n_layer
 
 
 class Linear(Module):

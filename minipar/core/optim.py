@@ -9,11 +9,22 @@ Lesson: lessons/01_autograd.md (and 04 for the sharded use).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from minipar.core.backend import xp_of
+from minipar.core.options import option
 from minipar.core.tiles import update_in_cache_tiles
 
 OPTIMIZERS = ("adamw", "sgd")  # `minipar train --optimizer`: AdamW or SGD (with momentum), below
+
+
+@dataclass
+class OptimizerOptions:
+    """The optimizer (core/optim.py)."""
+    optimizer: str = option("adamw", "the optimizer", OPTIMIZERS)
+    lr: float = option(1.5e-3, "learning rate")
+    weight_decay: float = option(0.0, "decoupled weight decay (AdamW), L2 penalty (SGD)")
+    momentum: float = option(0.9, "SGD's momentum (with --optimizer sgd)")
 
 
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):

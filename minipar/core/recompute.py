@@ -22,9 +22,11 @@ Lesson: lessons/01_autograd.md.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 from minipar.core import autograd
 from minipar.core.autograd import Function, Tensor
+from minipar.core.options import option
 
 RECOMPUTE_MODES = ("none", "selective", "full")  # `minipar train --recompute`
 _rerunning = 0  # how many Recompute backwards are rerunning their function now (they may nest)
@@ -79,9 +81,18 @@ def checkpoint(function, *inputs: Tensor, parameters=()) -> Tensor:
     return Recompute.apply(function, len(inputs), *inputs, *parameters)
 
 
-def config_errors(cfg) -> list[str]:
-    """Selective recomputation is of the attention core, which the MLP model does not have."""
-    if cfg.recompute == "selective" and cfg.model != "gpt":
+@dataclass
+class RecomputeOptions:
+    """Recomputation (core/recompute.py)."""
+    recompute: str = option("none", "activations recomputed in backward instead of kept: the attention "
+                            "cores (selective) or whole blocks (full)", RECOMPUTE_MODES,
+                            single_process="none")
+
+
+def config_errors(options: RecomputeOptions, model: str) -> list[str]:
+    """Selective recomputation is of the attention core, which the MLP model does not have. `model`:
+    --model's value (nn.py's ModelOptions, which imports this module)."""
+    if options.recompute == "selective" and model != "gpt":
         return ["--recompute selective needs --model gpt (it recomputes the attention core; "
                 "the MLP has none: use --recompute full)"]
     return []

@@ -11,12 +11,20 @@ Lesson: lessons/10_fusion.md.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from minipar.core.autograd import Function
+from minipar.core.options import option
 from minipar.fusion.interpret import run
 from minipar.fusion.ir import Node, array, sqrt, tanh
 
 GELU_C = math.sqrt(2.0 / math.pi)
+
+
+@dataclass
+class FusionOptions:
+    """Kernel fusion (fusion/training.py)."""
+    fused: bool = option(False, "AdamW and GELU through the fusion interpreter")
 
 
 def adamw_expressions(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):

@@ -24,12 +24,21 @@ Lesson: lessons/03_data_parallel.md.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
+from minipar.core.options import option
 from minipar.parallel.api import GradientTransform
 
 EPS = 1e-6  # clip_grad_norm_'s: the coefficient stays finite for a zero gradient
+
+
+@dataclass
+class ClippingOptions:
+    """Gradient clipping (parallel/clipping.py)."""
+    clip_grad_norm: float | None = option(None, "clip the gradients' global L2 norm to MAX before the step "
+                                          "(clip_grad_norm_; logs grad_norm)", gradient_transform=__name__)
 
 
 def sum_of_squares(pieces, tp_rank: int) -> float:
@@ -70,15 +79,15 @@ class GradientClipping(GradientTransform):
         return {"grad_norm": self.grad_norm}
 
 
-def attach(cfg, grid, updater):
+def attach(options: ClippingOptions, grid, updater):
     """trainer/build.py's call for the option: register the clipping (None without --clip-grad-norm)."""
-    if cfg.clip_grad_norm is None:
+    if options.clip_grad_norm is None:
         return None
-    return updater.register_gradients_ready_hook(GradientClipping(cfg.clip_grad_norm, grid))
+    return updater.register_gradients_ready_hook(GradientClipping(options.clip_grad_norm, grid))
 
 
-def config_errors(cfg) -> list[str]:
+def config_errors(options: ClippingOptions) -> list[str]:
     """--clip-grad-norm's check, one line (its finiteness is checked with every float option's)."""
-    if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
-        return [f"--clip-grad-norm must be positive, got {cfg.clip_grad_norm}"]
+    if options.clip_grad_norm is not None and not options.clip_grad_norm > 0:
+        return [f"--clip-grad-norm must be positive, got {options.clip_grad_norm}"]
     return []

@@ -26,6 +26,7 @@ over dp x cp instead of dp. Lesson: lessons/13_context_parallel.md.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +34,8 @@ from minipar.core.autograd import Function
 from minipar.core.backend import current as current_backend
 from minipar.core.backend import xp_of
 from minipar.core.hooks import RemovableHandle
-from minipar.core.nn import GPTEmbedding
+from minipar.core.nn import GPTEmbedding, ModelOptions
+from minipar.core.options import option
 from minipar.parallel.api import Runner, RunnerWrapper
 
 # ---- the zig-zag split -------------------------------------------------------------------------------
@@ -216,16 +218,20 @@ def ring_attention_bytes(batch: int, seq_len: int, d_model: int, cp: int, tp: in
 # ---- what `minipar train --cp` needs (trainer/validate.py gathers it) ----------------------------------
 
 
-def config_errors(cfg) -> list[str]:
+@dataclass
+class ContextOptions:
+    """Context parallelism (parallel/context.py)."""
+    cp: int = option(1, "context-parallel size: the sequence split over cp ranks, attention as a ring "
+                     "(parallel/context.py); --dp then defaults to world / (tp*pp*cp)", single_process=1)
+
+
+def config_errors(options: ContextOptions, model: ModelOptions) -> list[str]:
     """The zig-zag split needs 2*cp chunks of the sequence; only the GPT has one."""
-    if cfg.cp == 1:
+    if options.cp == 1:
         return []
-    if cfg.model != "gpt":
-        return [f"--cp {cfg.cp} needs --model gpt (context parallelism splits the GPT's sequence)"]
-    if cfg.sp:
-        return [f"--cp {cfg.cp} with --sp: sequence parallelism cuts the sequence over tp with attention "
-                "of its own; combining the two splits is not built"]
-    if cfg.seq_len % (2 * cfg.cp):
-        return [f"--seq-len {cfg.seq_len} is not divisible by 2*cp = {2 * cfg.cp}: the zig-zag split "
+    if model.model != "gpt":
+        return [f"--cp {options.cp} needs --model gpt (context parallelism splits the GPT's sequence)"]
+    if model.seq_len % (2 * options.cp):
+        return [f"--seq-len {model.seq_len} is not divisible by 2*cp = {2 * options.cp}: the zig-zag split "
                 f"cuts the sequence into 2*cp chunks"]
     return []

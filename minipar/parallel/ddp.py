@@ -30,15 +30,26 @@ Lesson: lessons/03_data_parallel.md.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from minipar.core.backend import xp_of
 from minipar.core.hooks import RemovableHandle
 from minipar.core.module import Parameter
+from minipar.core.options import option
 from minipar.distributed.communicator import PendingCollective
 from minipar.memory.offload import MiB
 from minipar.parallel.api import LocalUpdater
 from minipar.parallel.flat_units import check_replicas_identical, unflatten
+
+
+@dataclass
+class DataParallelOptions:
+    """Data parallelism (parallel/ddp.py) and overlap."""
+    dp: int | None = option(None, "data-parallel size (default: world / (tp*pp))", single_process=1)
+    bucket_mb: float = option(0.25, "DDP gradient bucket size")
+    no_overlap: bool = option(False, "DDP sums each bucket blocking at the step, instead of starting its "
+                              "all-reduce in backward as soon as it is ready (parallel/ddp.py), and "
+                              "ZeRO-3 gathers each unit when it needs it, without prefetching the next")
 
 
 def plan_buckets(params, bucket_bytes: int) -> list[list[Parameter]]:

@@ -22,18 +22,20 @@ Lesson: lessons/15_experts.md.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 from minipar.core import functional as F
 from minipar.core.autograd import no_grad
 from minipar.core.backend import xp_of
 from minipar.core.module import Module, ModuleList
-from minipar.core.moe import IndexAdd, MoEConfig, MoEGPT, MoELayer, RoutingStats, route
-from minipar.core.nn import MLP, GPTConfig, Linear
+from minipar.core.moe import IndexAdd, MoEConfig, MoEGPT, MoELayer, MoEOptions, RoutingStats, route
+from minipar.core.nn import MLP, GPTConfig, Linear, ModelOptions
+from minipar.core.options import option
 from minipar.distributed.communicator import Comm
 from minipar.distributed.grid import ProcessGrid
 from minipar.parallel.api import LocalUpdater, Runner, RunnerWrapper, Updater
+from minipar.parallel.ddp import DataParallelOptions
 from minipar.parallel.mappings import AllToAll
 from minipar.parallel.tensor_gpt import TensorParallelGPT
 from minipar.parallel.zero import ZeroStage1, ZeroStage2
@@ -259,21 +261,27 @@ class ExpertParallelZero(Updater):
         return {**self.parts[0].local_state(), **self.parts[1].local_state()}
 
 
-def config_errors(cfg) -> list[str]:
+@dataclass
+class ExpertOptions:
+    """Expert parallelism (parallel/experts.py; with --model moe)."""
+    ep: int = option(1, "--model moe: expert parallelism, the experts split over blocks of ep dp ranks "
+                     "(parallel/experts.py)", single_process=1)
+
+
+def config_errors(options: ExpertOptions, data_parallel: DataParallelOptions, moe: MoEOptions,
+                  model: ModelOptions) -> list[str]:
     """`--ep`'s checks, one line each."""
-    if cfg.ep == 1:
+    ep = options.ep
+    if ep == 1:
         return []
-    if cfg.ep < 1:
-        return [f"--ep must be at least 1 (got {cfg.ep})"]
-    if cfg.model != "moe":
-        return [f"--ep {cfg.ep} needs --model moe (experts to split)"]
+    if ep < 1:
+        return [f"--ep must be at least 1 (got {ep})"]
+    if model.model != "moe":
+        return [f"--ep {ep} needs --model moe (experts to split)"]
     errors = []
-    dp = cfg.dp if cfg.dp is not None else 1
-    if dp % cfg.ep:
-        errors.append(f"--ep {cfg.ep} does not divide dp={dp} (ep groups are blocks of ep dp ranks)")
-    if cfg.n_experts % cfg.ep:
-        errors.append(f"--n-experts {cfg.n_experts} is not divisible by --ep {cfg.ep}")
-    if cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None:
-        errors.append(f"--ep {cfg.ep} with chunked ZeRO-3 (--offload, --chunk-mb, --device-mem-mb) is not "
-                      "built yet (use --zero 1, 2 or 3)")
+    dp = data_parallel.dp if data_parallel.dp is not None else 1
+    if dp % ep:
+        errors.append(f"--ep {ep} does not divide dp={dp} (ep groups are blocks of ep dp ranks)")
+    if moe.n_experts % ep:
+        errors.append(f"--n-experts {moe.n_experts} is not divisible by --ep {ep}")
     return errors

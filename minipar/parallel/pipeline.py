@@ -23,6 +23,7 @@ import contextlib
 import copy
 import math
 import time
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
@@ -30,9 +31,10 @@ import numpy as np
 
 from minipar.core import backend
 from minipar.core.autograd import Tensor
-from minipar.core.nn import Module
+from minipar.core.nn import ModelOptions, Module
+from minipar.core.options import option
 from minipar.parallel.api import Runner, count_correct, split_scored
-from minipar.parallel.schedules import Action, build_schedule, check_schedule, splits_backward
+from minipar.parallel.schedules import SCHEDULES, Action, build_schedule, check_schedule, splits_backward
 
 if TYPE_CHECKING:  # only for annotations: the pipeline talks to MPI through Comm
     from mpi4py import MPI
@@ -371,29 +373,32 @@ def from_the_first_start(starts, walls, actions) -> tuple[list, list]:
              for stage, shift in zip(actions, shifts)])
 
 
-def config_errors(cfg) -> list[str]:
+@dataclass
+class PipelineOptions:
+    """Pipeline parallelism and micro-batches (parallel/pipeline.py, parallel/schedules.py)."""
+    pp: int = option(1, "pipeline stages", single_process=1)
+    microbatches: int = option(1, "micro-batches per replica's batch (gradients accumulate over them)",
+                               single_process=1)
+    schedule: str = option("1f1b", "pipeline schedule (with --pp > 1)", SCHEDULES)
+    virtual_stages: int = option(1, "model chunks per pipeline rank (--schedule interleaved: at least 2)",
+                                 single_process=1)
+
+
+def config_errors(options: PipelineOptions, model: ModelOptions) -> list[str]:
     """The checks of --schedule and --virtual-stages, one line each (gathered by trainer/validate.py)."""
-    v, k = cfg.virtual_stages, cfg.pp
+    v, k = options.virtual_stages, options.pp
     if v < 1:
         return [f"--virtual-stages must be a positive integer, got {v}"]
     errors = []
-    if cfg.schedule == "interleaved" and k > 1:
+    if options.schedule == "interleaved" and k > 1:
         if v < 2:
             errors.append("--schedule interleaved needs --virtual-stages of at least 2")
-        if cfg.microbatches % k:
-            errors.append(f"--schedule interleaved needs --microbatches {cfg.microbatches} to be a "
+        if options.microbatches % k:
+            errors.append(f"--schedule interleaved needs --microbatches {options.microbatches} to be a "
                           f"multiple of --pp {k} (Megatron's order runs rounds of K micro-batches)")
-        if k * v > cfg.n_units():
+        if k * v > model.n_units():
             errors.append(f"--pp {k} x --virtual-stages {v} = {k * v} chunks is more than the model's "
-                          f"{cfg.n_units()} blocks; each chunk needs at least one")
+                          f"{model.n_units()} blocks; each chunk needs at least one")
     elif v != 1:
         errors.append(f"--virtual-stages {v} needs --schedule interleaved and --pp > 1")
-    chunked = cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None
-    if cfg.schedule == "zb-h1" and k > 1 and (cfg.zero == 3 or chunked):
-        errors.append("--schedule zb-h1 runs with --zero 0, 1 or 2 and no offload or chunks: ZeRO-3 "
-                      "would have to gather the parameters again for each W step")
-    if cfg.schedule == "zb-h1" and k > 1 and cfg.recompute == "full":
-        errors.append("--schedule zb-h1 with --recompute full: a recomputed block's backward runs as one "
-                      "operation, so its weight gradients cannot wait for W; use --recompute selective "
-                      "or none")
     return errors

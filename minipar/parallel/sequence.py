@@ -26,6 +26,7 @@ Lesson: lessons/05_tensor_parallel.md.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import cast
 
 from minipar.core import functional as F
@@ -36,10 +37,12 @@ from minipar.core.nn import (
     GPTEmbedding,
     GPTHead,
     LayerNorm,
+    ModelOptions,
     Module,
     ModuleList,
     attention_core,
 )
+from minipar.core.options import option
 from minipar.parallel.mappings import (
     gather_from_sequence_parallel,
     reduce_scatter_to_sequence_parallel,
@@ -50,6 +53,7 @@ from minipar.parallel.tensor import (
     ParallelAttention,
     ParallelMLP,
     RowParallelLinear,
+    TensorOptions,
     VocabParallelEmbedding,
 )
 from minipar.parallel.tensor_gpt import TensorParallelGPT
@@ -158,16 +162,22 @@ class SequenceParallelGPT(TensorParallelGPT):
 # ---- what `minipar train --sp` needs (trainer/validate.py gathers it) ----------------------------------
 
 
-def config_errors(cfg) -> list[str]:
+@dataclass
+class SequenceOptions:
+    """Sequence parallelism (parallel/sequence.py; inside --tp)."""
+    sp: bool = option(False, "sequence parallelism inside --tp (needs --tp > 1)", single_process=False)
+
+
+def config_errors(options: SequenceOptions, tensor: TensorOptions, model: ModelOptions) -> list[str]:
     """--sp cuts the GPT's sequence over the tensor-parallel ranks: it needs them, and equal pieces."""
-    if not cfg.sp:
+    if not options.sp:
         return []
-    if cfg.model != "gpt":
+    if model.model != "gpt":
         return ["--sp needs --model gpt (sequence parallelism cuts the GPT's sequence; the MLP has none)"]
-    if cfg.tp < 2:
-        return [f"--sp needs --tp > 1, got --tp {cfg.tp} (sequence parallelism splits the sequence over "
+    if tensor.tp < 2:
+        return [f"--sp needs --tp > 1, got --tp {tensor.tp} (sequence parallelism splits the sequence over "
                 "the tensor-parallel ranks)"]
-    if cfg.seq_len % cfg.tp:
-        return [f"--sp: --seq-len {cfg.seq_len} is not divisible by --tp {cfg.tp} "
+    if model.seq_len % tensor.tp:
+        return [f"--sp: --seq-len {model.seq_len} is not divisible by --tp {tensor.tp} "
                 "(each tensor-parallel rank keeps seq_len/tp positions)"]
     return []

@@ -28,10 +28,13 @@ Lesson: lessons/05_tensor_parallel.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from minipar.core import functional as F
 from minipar.core.autograd import Function
 from minipar.core.backend import xp_of
-from minipar.core.nn import Module, Parameter, attention_core, causal_attention
+from minipar.core.nn import ModelOptions, Module, Parameter, attention_core, causal_attention
+from minipar.core.options import option
 from minipar.core.shards import Shard, padded_bounds
 from minipar.parallel.mappings import (
     copy_to_tensor_parallel,
@@ -211,13 +214,19 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, vocab_size: 
 # ---- what `minipar train --tp` needs (trainer/validate.py gathers it) ----------------------------------
 
 
-def config_errors(cfg) -> list[str]:
+@dataclass
+class TensorOptions:
+    """Tensor parallelism (parallel/tensor.py)."""
+    tp: int = option(1, "tensor-parallel size", single_process=1)
+
+
+def config_errors(options: TensorOptions, model: ModelOptions) -> list[str]:
     """Tensor parallelism splits attention by whole heads, and only the GPT's layers."""
-    if cfg.model == "mlp" and cfg.tp > 1:
+    if model.model == "mlp" and options.tp > 1:
         # MLPNet's layers are separate pipeline units; Megatron's column/row pairing would leave a
         # split activation at a unit boundary, so tensor parallelism is kept to the GPT.
-        return [f"--tp {cfg.tp} needs --model gpt (tensor parallelism splits the GPT's layers)"]
-    if cfg.n_head % cfg.tp:  # tp = 1 for the MLP here
-        return [f"--tp {cfg.tp} does not divide --n-head {cfg.n_head}: "
+        return [f"--tp {options.tp} needs --model gpt (tensor parallelism splits the GPT's layers)"]
+    if model.n_head % options.tp:  # tp = 1 for the MLP here
+        return [f"--tp {options.tp} does not divide --n-head {model.n_head}: "
                 "each tensor-parallel rank must own whole attention heads"]
     return []

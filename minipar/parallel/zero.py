@@ -24,13 +24,22 @@ Lesson: lessons/04_zero.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from minipar.core import autograd
 from minipar.core.hooks import RemovableHandle
+from minipar.core.options import option
 from minipar.memory.ledger import buffer_meter
 from minipar.memory.planner import STAGES as STAGES  # --zero's choices: 0 (DP), 1-2 here, 3 in zero3.py
 from minipar.parallel.api import Updater
 from minipar.parallel.flat_units import check_replicas_identical, shard_pieces, unit_tensors, units_of
 from minipar.parallel.logical_state import flat_unit_buffer, flat_unit_pieces
+
+
+@dataclass
+class ZeroOptions:
+    """ZeRO (parallel/zero.py, parallel/zero3.py)."""
+    zero: int = option(0, "ZeRO stage", STAGES, single_process=0)
 
 
 class ZeroStage1(Updater):

@@ -27,18 +27,43 @@ Lesson: lessons/08_memory.md.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 from minipar.core import autograd
 from minipar.core.backend import current as current_backend
 from minipar.core.hooks import RemovableHandle
+from minipar.core.options import option
 from minipar.core.shards import shard_of
 from minipar.memory.chunks import TensorState, pack_in_chunks, search_chunk_size
 from minipar.memory.ledger import buffer_meter, tier_meter
-from minipar.memory.offload import MiB, TieredStore
-from minipar.memory.tracer import AUTO, MemoryTracer, settled_budget
+from minipar.memory.offload import OFFLOADS, POLICIES, MiB, TieredStore
+from minipar.memory.tracer import AUTO, MemoryTracer, budget_mb, settled_budget
 from minipar.parallel.api import Updater
 from minipar.parallel.flat_units import check_replicas_identical, shard_pieces, units_of
 from minipar.parallel.logical_state import flat_pieces
+
+
+@dataclass
+class ChunkedOptions:
+    """Chunked ZeRO-3 with offload (parallel/zero_chunked.py, memory/)."""
+    offload: str = option("none", "where chunked ZeRO-3 puts blocks past the device budget", OFFLOADS,
+                          single_process="none")
+    device_mem_mb: float | str | None = option(None, "device budget in MiB for chunked ZeRO-3 (with "
+                                               "--offload), or auto: the least the warm-up step needs",
+                                               single_process=None, parse=budget_mb)
+    chunk_mb: float | None = option(None, "chunk size in MiB for chunked ZeRO-3 (default: least padding)",
+                                    single_process=None)
+    eviction: str = option("opt", "offload's eviction policy", POLICIES)
+    static_placement: bool = option(False, "chunked ZeRO-3: place blocks by the budget alone, without "
+                                    "the warm-up step's memory trace", single_process=False)
+    offload_dir: str | None = option(None, "folder of --offload disk's files (default: the system's "
+                                     "temporary folder); its free space is checked up front",
+                                     single_process=None)
+
+    @property
+    def chunked(self) -> bool:
+        """Is chunked ZeRO-3 on? Each of --offload, --chunk-mb and --device-mem-mb selects it."""
+        return self.offload != "none" or self.chunk_mb is not None or self.device_mem_mb is not None
 
 S = TensorState
 
@@ -291,11 +316,11 @@ def tensor_sizes(model) -> list[int]:
     return [p.size for _, unit in model.units() for p in unit.parameters()]
 
 
-def chunk_numel_for(cfg, model, parts: int) -> int:
+def chunk_numel_for(options: ChunkedOptions, model, parts: int) -> int:
     """--chunk-mb rounded up to a multiple of the ranks, or the size with the least padding."""
-    if cfg.chunk_mb is not None:
+    if options.chunk_mb is not None:
         itemsize = model.parameters()[0].data.itemsize
-        return -(-int(cfg.chunk_mb * MiB / itemsize) // parts) * parts
+        return -(-int(options.chunk_mb * MiB / itemsize) // parts) * parts
     return search_chunk_size(tensor_sizes(model), parts)[0]
 
 
@@ -315,34 +340,34 @@ def device_bytes_needed(model, chunk_numel: int, parts: int, rows: int, offload:
     return max(spanned * chunk_numel + max(shard, largest_unit), rows * shard) * chunks[0].dtype.itemsize
 
 
-def config_errors(cfg) -> list[str]:
-    """What --offload / --chunk-mb / --device-mem-mb need of the other options (trainer/validate.py;
-    cfg has its dp resolved). When these pass, `size_errors` checks them on the model's sizes."""
-    errors = [f"--offload {cfg.offload} needs --device-mem-mb: the device budget that pushes blocks out"
-              ] if cfg.offload != "none" and cfg.device_mem_mb is None else []
+def config_errors(options: ChunkedOptions) -> list[str]:
+    """What --offload / --chunk-mb / --device-mem-mb need of each other (trainer/validate.py, which also
+    checks what they need of the other options). When these pass, `size_errors` checks them on the
+    model's sizes."""
+    errors = [f"--offload {options.offload} needs --device-mem-mb: the device budget that pushes blocks out"
+              ] if options.offload != "none" and options.device_mem_mb is None else []
     errors += [f"--{name.replace('_', '-')} must be positive, got {value}"
-               for name, value in (("chunk_mb", cfg.chunk_mb), ("device_mem_mb", cfg.device_mem_mb))
+               for name, value in (("chunk_mb", options.chunk_mb), ("device_mem_mb", options.device_mem_mb))
                if value is not None and value != AUTO and not (isinstance(value, float | int) and value > 0)]
-    if cfg.device_mem_mb == AUTO and cfg.static_placement:
+    if options.device_mem_mb == AUTO and options.static_placement:
         errors.append("--device-mem-mb auto takes the least budget the warm-up step's trace needs: "
                       "it cannot go with --static-placement")
-    if cfg.zero not in (0, 3) or cfg.tp > 1 or cfg.pp > 1 or cfg.precision not in ("fp64", "fp32"):
-        errors.append("--offload, --chunk-mb and --device-mem-mb run chunked ZeRO-3 over data parallelism: "
-                      "they need --zero 3 (or 0), --tp 1, --pp 1 and --precision fp64 or fp32")
     return errors
 
 
-def size_errors(cfg, model, optimizer) -> list[str]:
-    """--chunk-mb and --device-mem-mb against the real sizes: `model` is the whole model of `cfg` (one
-    rank's, before sharding) and `optimizer` the one it trains with, whose state rows count."""
-    chunk_numel, largest = chunk_numel_for(cfg, model, cfg.dp), max(tensor_sizes(model))
+def size_errors(options: ChunkedOptions, parts: int, model, optimizer) -> list[str]:
+    """--chunk-mb and --device-mem-mb against the real sizes, sharded over `parts` ranks: `model` is the
+    whole model (one rank's, before sharding) and `optimizer` the one it trains with, whose state rows
+    count."""
+    chunk_numel, largest = chunk_numel_for(options, model, parts), max(tensor_sizes(model))
     if chunk_numel < largest:
-        return [f"--chunk-mb {cfg.chunk_mb} holds {chunk_numel} elements, fewer than the largest parameter's "
-                f"{largest}: a tensor never straddles two chunks"]
-    needed = device_bytes_needed(model, chunk_numel, cfg.dp, state_rows(optimizer), cfg.offload)
-    if cfg.device_mem_mb not in (None, AUTO) and cfg.device_mem_mb * MiB < needed:
-        return [f"--device-mem-mb {cfg.device_mem_mb} is too small: chunked ZeRO-3 with --offload "
-                f"{cfg.offload} needs {needed / MiB:.4f} MiB on the device before activations "
+        return [f"--chunk-mb {options.chunk_mb} holds {chunk_numel} elements, fewer than the largest "
+                f"parameter's {largest}: a tensor never straddles two chunks"]
+    needed = device_bytes_needed(model, chunk_numel, parts, state_rows(optimizer), options.offload)
+    budget = options.device_mem_mb
+    if isinstance(budget, float | int) and budget * MiB < needed:  # None and auto: no figure to check
+        return [f"--device-mem-mb {options.device_mem_mb} is too small: chunked ZeRO-3 with --offload "
+                f"{options.offload} needs {needed / MiB:.4f} MiB on the device before activations "
                 f"(chunks of {chunk_numel} elements); --device-mem-mb auto measures the least that works"]
     return []
 
@@ -353,11 +378,11 @@ def state_rows(optimizer) -> int:
     return 2 + sum(hasattr(v, "shape") for v in state.values())
 
 
-def build_chunked_zero3(cfg, grid, model, optimizer) -> ChunkedZero3:
+def build_chunked_zero3(options: ChunkedOptions, grid, model, optimizer) -> ChunkedZero3:
     """trainer/build.py's branch: the engine for --offload / --chunk-mb / --device-mem-mb."""
-    budget = cfg.device_mem_mb if cfg.device_mem_mb in (None, AUTO) else cfg.device_mem_mb * MiB
-    chunk_numel = chunk_numel_for(cfg, model, grid.dp_cp.size)
-    least = device_bytes_needed(model, chunk_numel, grid.dp_cp.size, state_rows(optimizer), cfg.offload)
-    return ChunkedZero3(model, optimizer, grid.dp_cp, chunk_numel, budget, cfg.offload, cfg.eviction,
-                        traced=not cfg.static_placement, least_bytes=least,
-                        disk_folder=cfg.offload_dir)
+    budget = options.device_mem_mb if options.device_mem_mb in (None, AUTO) else options.device_mem_mb * MiB
+    chunk_numel = chunk_numel_for(options, model, grid.dp_cp.size)
+    least = device_bytes_needed(model, chunk_numel, grid.dp_cp.size, state_rows(optimizer), options.offload)
+    return ChunkedZero3(model, optimizer, grid.dp_cp, chunk_numel, budget, options.offload, options.eviction,
+                        traced=not options.static_placement, least_bytes=least,
+                        disk_folder=options.offload_dir)

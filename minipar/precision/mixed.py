@@ -22,15 +22,18 @@ the weights, and for fp16 the steps the scaler skips. Lesson: lessons/09_precisi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 
 from minipar.core import autograd
+from minipar.core.backend import BackendOptions
+from minipar.core.options import option
 from minipar.distributed.collectives import Wire, ring_all_reduce
 from minipar.memory.ledger import buffer_meter
 from minipar.parallel.api import GradientTransform, RunnerWrapper, Updater
-from minipar.precision.formats import DynamicLossScaler, Precision, pack_low, unpack_low
+from minipar.precision.formats import PRECISIONS, DynamicLossScaler, Precision, pack_low, unpack_low
 
 LOW_PRECISIONS = ("bf16", "fp16")
 
@@ -122,16 +125,17 @@ def gradient_all_reduce(precision: str, comm):
     return all_reduce
 
 
-def attach_loss_scaling(cfg, updater: Updater, world, scaler: DynamicLossScaler | None = None):
-    """For fp16 (unless `cfg.loss_scaling` is off): a `LossScaling` registered first at the updater's
+def attach_loss_scaling(options: PrecisionOptions, updater: Updater, world,
+                        scaler: DynamicLossScaler | None = None):
+    """For fp16 (unless `options.loss_scaling` is off): a `LossScaling` registered first at the updater's
     gradients-ready point, so the gradients are unscaled and checked before any other transform sees
     them; returns it (None for other precisions).
 
     The scaler is `scaler` if given, else one with PyTorch's defaults whose overflow verdict is shared
     over `world`. The sync before the point carries the scaled gradients, as under PyTorch's DDP.
     """
-    fmt = Precision.from_name(cfg.precision)
-    if not (fmt.loss_scaling and cfg.loss_scaling):
+    fmt = Precision.from_name(options.precision)
+    if not (fmt.loss_scaling and options.loss_scaling):
         return None
     scaler = scaler or DynamicLossScaler(all_reduce_max=lambda flag: world.allreduce_obj(flag, op="max"))
     loss_scaling = LossScaling(scaler)
@@ -144,32 +148,37 @@ def loss_scaling_of(updater: Updater) -> LossScaling | None:
     return next((t for t in updater.gradient_transforms if isinstance(t, LossScaling)), None)
 
 
-def wrap_runner(cfg, model, runner, updater: Updater):
-    """The runner for `cfg.precision`: itself for fp64/fp32, a MixedPrecisionRunner for bf16/fp16.
+def wrap_runner(options: PrecisionOptions, model, runner, updater: Updater):
+    """The runner for `options.precision`: itself for fp64/fp32, a MixedPrecisionRunner for bf16/fp16.
 
     The updater's loss scaling (attach_loss_scaling) tells the runner which scale to multiply the
     loss by.
     """
-    fmt = Precision.from_name(cfg.precision)
+    fmt = Precision.from_name(options.precision)
     if fmt.round is None:
         return runner
     return MixedPrecisionRunner(runner, model.parameters(), fmt.round, loss_scaling_of(updater))
 
 
-# ---- what `minipar train --precision bf16 | fp16` composes with (trainer/validate.py gathers it) ----
+# ---- the options of `minipar train --precision` and their checks (trainer/validate.py gathers them) ----
 
 
-def config_errors(cfg) -> list[str]:
-    """16-bit emulation runs in NumPy, over fp32 parameters that stay whole between steps."""
-    if cfg.precision not in LOW_PRECISIONS:
-        return []
-    errors = []
-    if cfg.backend != "numpy":
-        errors.append(f"--precision {cfg.precision} emulates the 16-bit format in NumPy: use --backend numpy")
-    chunked = cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None
-    if cfg.zero == 3 or chunked:
-        errors.append(f"--precision {cfg.precision} does not support --zero 3 or chunked offload: they "
-                      "gather the fp32 parameters during forward, after the 16-bit working copy is made")
-    # fp16 with ZeRO 1 and 2: the loss scaling acts at the gradients-ready point, after the
-    # reduce-scatter and before any shard is updated, so every rank agrees on an overflow first
-    return errors
+@dataclass
+class PrecisionOptions:
+    """Number formats (precision/formats.py, precision/mixed.py)."""
+    precision: str = option("fp32", "number format of the arithmetic (bf16, fp16: mixed precision)",
+                            PRECISIONS)
+    loss_scaling: bool = option(True, "fp16: a dynamic loss scaler (precision/mixed.py); False trains "
+                                "without (Python only: no flag)", command_line=False)
+
+    @property
+    def dtype(self) -> str:
+        """The arrays' dtype: fp64 computes in float64, every other format over float32 values."""
+        return "float64" if self.precision == "fp64" else "float32"
+
+
+def config_errors(options: PrecisionOptions, backend: BackendOptions) -> list[str]:
+    """16-bit emulation runs in NumPy."""
+    if options.precision in LOW_PRECISIONS and backend.backend != "numpy":
+        return [f"--precision {options.precision} emulates the 16-bit format in NumPy: use --backend numpy"]
+    return []

@@ -3,7 +3,8 @@
 A mistake prints `minipar <command>: error: <what is wrong>` on stderr and exits with code 2, instead of
 argparse's usage block: under mpiexec every rank prints it, and one line per rank stays readable.
 `train_parser` makes one flag per TrainConfig field from its type, default and metadata
-(`config.option`), so an option is declared once, in config.py, with its help and choices.
+(core/options.py's `option`), so an option is declared once, in its technique's options object, with
+its help and choices; `--help` lists them in one section per options object.
 Lesson: lessons/00_overview.md.
 """
 
@@ -16,8 +17,9 @@ import sys
 import types
 import typing
 
-from minipar.core.moe import OPTIONS as MOE_OPTIONS
-from minipar.trainer.config import TrainConfig
+from minipar.core.moe import MoEOptions
+from minipar.core.options import title
+from minipar.trainer.config import OPTION_GROUPS, TrainConfig
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -32,15 +34,18 @@ def fail(prog: str, message: str) -> int:
 
 
 def train_parser(defaults: bool = True) -> argparse.ArgumentParser:
-    """One flag per TrainConfig field, from its type, default and metadata (config.option).
-    `defaults=False`: a flag left out is absent from the result (what the user typed)."""
+    """One flag per TrainConfig field, from its type, default and metadata (core/options.py), in one
+    section per options object (config.OPTION_GROUPS). `defaults=False`: a flag left out is absent from
+    the result (what the user typed)."""
     p = OneLineParser(prog="minipar train", description="Train a model under mpiexec in any layout.")
     types_of = typing.get_type_hints(TrainConfig)
-    for field in dataclasses.fields(TrainConfig):
-        if field.metadata.get("command_line", True):
-            keywords = _argument(field, types_of[field.name])
-            p.add_argument("--" + field.name.replace("_", "-"),
-                           **keywords if defaults else {**keywords, "default": argparse.SUPPRESS})
+    for options in OPTION_GROUPS:
+        section = p.add_argument_group(title(options))
+        for field in dataclasses.fields(options):
+            if field.metadata.get("command_line", True):
+                keywords = _argument(field, types_of[field.name])
+                section.add_argument("--" + field.name.replace("_", "-"),
+                                     **keywords if defaults else {**keywords, "default": argparse.SUPPRESS})
     return p
 
 
@@ -67,7 +72,7 @@ def parse_train_args(argv) -> TrainConfig:
     args = vars(parser.parse_args(argv))
     typed = vars(train_parser(defaults=False).parse_args(argv))  # the options have defaults: what was typed
     if args["model"] != "moe":  # like --ep: MoE's options alone would train a dense model unasked
-        for name in (name for name in MOE_OPTIONS if name in typed):
+        for name in (f.name for f in dataclasses.fields(MoEOptions) if f.name in typed):
             parser.error(f"--{name.replace('_', '-')} needs --model moe (the {args['model']} model has "
                          "no experts)")
     for field in dataclasses.fields(TrainConfig):

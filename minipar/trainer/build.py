@@ -91,11 +91,6 @@ def build_optimizer(cfg, params):
     return optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, update_rule=update_rule)
 
 
-def chunked(cfg) -> bool:
-    """--offload, --chunk-mb and --device-mem-mb each select chunked ZeRO-3 (zero_chunked.py)."""
-    return cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None
-
-
 def build_runner(cfg, grid, model):
     """Forward and backward: through the pipeline's stages (--pp > 1), or micro-batch after micro-batch;
     on this rank's positions of the sequence with --cp."""
@@ -134,7 +129,7 @@ def synchronising_updater(cfg, grid, model):
     def optimizer_of(params):
         return build_optimizer(cfg, params)
 
-    if chunked(cfg):
+    if cfg.chunked:  # --offload, --chunk-mb or --device-mem-mb (zero_chunked.py's ChunkedOptions)
         return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # parallel/zero_chunked.py
     if cfg.ep > 1:  # experts summed over the ranks that hold them, the rest over dp (experts.py)
         groups = experts.ExpertGroups(grid, cfg.ep)  # the same communicators as the model's (reused)

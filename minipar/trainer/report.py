@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from minipar.core.nn import MLPNet
-from minipar.trainer.build import chunked
 from minipar.trainer.reference import verdict_lines
 
 MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations_peak", "buffers_peak", "device_peak")
@@ -73,7 +72,7 @@ def accuracy_line(cfg, records: list[dict]) -> list[str]:
 
 def zero_stage(cfg) -> str:
     """Chunked offload is ZeRO-3 over chunks, whatever --zero said (0 or 3)."""
-    return f"3 (chunked, offload {cfg.offload})" if chunked(cfg) else str(cfg.zero)
+    return f"3 (chunked, offload {cfg.offload})" if cfg.chunked else str(cfg.zero)
 
 
 def summary(cfg, records: list[dict], rank_rows: list[dict], check: dict | None,

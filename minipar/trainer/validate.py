@@ -2,9 +2,11 @@
 
 It runs on every rank before any collective and returns the problems as one-line messages, so a user
 mistake ends the job with a clear error and exit code 2 instead of a hang or a traceback. The checks
-of one technique are that technique's `config_errors` (parallel/tensor.py, precision/mixed.py,
-parallel/zero_chunked.py); what is left here concerns the options together: ranges, choices, the
-layout against the world size, and the paths. Lesson: lessons/12_reliability.md.
+of one technique are that technique's `config_errors`, which takes the technique's own options
+object (parallel/tensor.py's TensorOptions, ...) and the model's where it needs its shape; what is
+left here concerns the options together: ranges, choices, the layout against the world size, the
+combinations of two techniques that are not built (`_combinations`), and the paths.
+Lesson: lessons/12_reliability.md.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def validate(cfg: TrainConfig, world_size: int) -> list[str]:
     errors = (_finite(cfg) or _positive(cfg)) + _choices(cfg) + _empty_paths(cfg)
     if errors:
         return errors
-    errors = _layout(cfg.resolved(world_size), world_size) + mixed.config_errors(cfg) + _backend(cfg)
+    errors = _layout(cfg.resolved(world_size), world_size) + mixed.config_errors(cfg, cfg) + _backend(cfg)
+    errors += _combinations(cfg)
     errors += [e for transform in gradient_transforms() for e in transform.config_errors(cfg)]
     errors = errors or _memory(cfg.resolved(world_size)) or _offload_dir(cfg)
     return errors or _chunked(cfg.resolved(world_size)) or _paths(cfg)
@@ -109,9 +112,11 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
                       f"--microbatches {cfg.microbatches}")
     if cfg.is_gpt and cfg.d_model % cfg.n_head:
         errors.append(f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}")
-    errors += (tensor.config_errors(cfg) + recompute.config_errors(cfg) + sequence.config_errors(cfg)
-               + context.config_errors(cfg) + pipeline.config_errors(cfg) + moe.config_errors(cfg)
-               + experts.config_errors(cfg))
+    errors += (tensor.config_errors(cfg, cfg) + recompute.config_errors(cfg, cfg.model)
+               + sequence.config_errors(cfg, cfg, cfg) + context.config_errors(cfg, cfg)
+               + pipeline.config_errors(cfg, cfg) + experts.config_errors(cfg, cfg, cfg, cfg))
+    if cfg.model == "moe":
+        errors += moe.config_errors(cfg)
     if cfg.pp > cfg.n_units():
         blocks = f"{cfg.n_layer} layers"
         if cfg.is_gpt:
@@ -119,6 +124,32 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"--pp {cfg.pp} is more stages than the model's {cfg.n_units()} blocks ({blocks}); "
                       "each stage needs at least one")
     return errors
+
+
+def _combinations(cfg: TrainConfig) -> list[str]:
+    """Two techniques together that are not built, one line each: only the trainer sees both."""
+    rules = [
+        (cfg.cp > 1 and cfg.sp and cfg.model == "gpt",
+         f"--cp {cfg.cp} with --sp: sequence parallelism cuts the sequence over tp with attention of its "
+         "own; combining the two splits is not built"),
+        (cfg.model == "moe" and cfg.sp,
+         "--model moe does not support --sp (routing needs whole sequences on each rank)"),
+        (cfg.model == "moe" and cfg.cp > 1,
+         "--model moe does not support --cp > 1 yet (experts with --cp are not built)"),
+        (cfg.ep > 1 and cfg.chunked,
+         f"--ep {cfg.ep} with chunked ZeRO-3 (--offload, --chunk-mb, --device-mem-mb) is not built yet "
+         "(use --zero 1, 2 or 3)"),
+        (cfg.schedule == "zb-h1" and cfg.pp > 1 and (cfg.zero == 3 or cfg.chunked),
+         "--schedule zb-h1 runs with --zero 0, 1 or 2 and no offload or chunks: ZeRO-3 would have to "
+         "gather the parameters again for each W step"),
+        (cfg.schedule == "zb-h1" and cfg.pp > 1 and cfg.recompute == "full",
+         "--schedule zb-h1 with --recompute full: a recomputed block's backward runs as one operation, "
+         "so its weight gradients cannot wait for W; use --recompute selective or none"),
+        (cfg.precision in mixed.LOW_PRECISIONS and (cfg.zero == 3 or cfg.chunked),
+         f"--precision {cfg.precision} does not support --zero 3 or chunked offload: they gather the fp32 "
+         "parameters during forward, after the 16-bit working copy is made"),
+    ]
+    return [message for broken, message in rules if broken]
 
 
 def estimated_bytes(cfg: TrainConfig) -> int:
@@ -162,9 +193,12 @@ def _backend(cfg: TrainConfig) -> list[str]:
 
 def _chunked(cfg: TrainConfig) -> list[str]:
     """--offload / --chunk-mb / --device-mem-mb select chunked ZeRO-3; it checks them on the model's sizes."""
-    if cfg.offload == "none" and cfg.chunk_mb is None and cfg.device_mem_mb is None:
+    if not cfg.chunked:
         return []
     errors = zero_chunked.config_errors(cfg)
+    if cfg.zero not in (0, 3) or cfg.tp > 1 or cfg.pp > 1 or cfg.precision not in ("fp64", "fp32"):
+        errors.append("--offload, --chunk-mb and --device-mem-mb run chunked ZeRO-3 over data parallelism: "
+                      "they need --zero 3 (or 0), --tp 1, --pp 1 and --precision fp64 or fp32")
     if cfg.chunk_mb is not None and cfg.chunk_mb * 2**20 > physical_memory_bytes():
         errors.append(f"--chunk-mb {cfg.chunk_mb:g} is more than this machine's memory "
                       f"({physical_memory_bytes() / 2**20:,.0f} MiB)")
@@ -173,7 +207,8 @@ def _chunked(cfg: TrainConfig) -> list[str]:
     replicas = cfg.replace(dp=cfg.dp * cfg.cp, cp=1)  # with --cp it shards over dp x cp (grid.dp_cp)
     # the whole model one rank would gather, built as a plain single-process run builds it (no grid)
     model = build_model(replicas.replace(zero=0, offload="none", chunk_mb=None, device_mem_mb=None), None)
-    return zero_chunked.size_errors(replicas, model, build_optimizer(cfg, [])) or _disk_space(cfg, model)
+    return (zero_chunked.size_errors(cfg, replicas.dp, model, build_optimizer(cfg, []))
+            or _disk_space(cfg, model))
 
 
 def _offload_dir(cfg: TrainConfig) -> list[str]:

@@ -22,47 +22,47 @@ from minipar.trainer.config import TrainConfig
 from minipar.trainer.validate import validate
 
 SWITCH = "store_true"
-# flag: (default, choices, type or SWITCH), in the order `--help` lists them
+# flag: (default, choices, type or SWITCH), in the order `--help` lists them (by options object)
 FLAGS = {
     "--model": ("gpt", ("gpt", "mlp", "moe"), str),
+    "--n-layer": (4, None, int),
+    "--n-head": (4, None, int),
+    "--d-model": (64, None, int),
+    "--seq-len": (32, None, int),
+    "--n-experts": (4, None, int),
+    "--top-k": (1, None, int),
+    "--capacity-factor": (1.0, None, float),
+    "--aux-loss-coef": (0.01, None, float),
     "--dp": (None, None, int),
+    "--bucket-mb": (0.25, None, float),
+    "--no-overlap": (False, None, SWITCH),
     "--tp": (1, None, int),
-    "--pp": (1, None, int),
-    "--cp": (1, None, int),
-    "--zero": (0, (0, 1, 2, 3), int),
     "--sp": (False, None, SWITCH),
+    "--pp": (1, None, int),
     "--microbatches": (1, None, int),
     "--schedule": ("1f1b", ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"), str),
     "--virtual-stages": (1, None, int),
-    "--precision": ("fp32", ("fp64", "fp32", "bf16", "fp16"), str),
+    "--cp": (1, None, int),
+    "--ep": (1, None, int),
+    "--zero": (0, (0, 1, 2, 3), int),
     "--offload": ("none", ("none", "cpu", "disk"), str),
     "--device-mem-mb": (None, None, budget_mb),  # MiB, or auto
     "--chunk-mb": (None, None, float),
     "--eviction": ("opt", ("lru", "opt"), str),
     "--static-placement": (False, None, SWITCH),
     "--offload-dir": (None, None, str),
-    "--steps": (60, None, int),
-    "--batch-size": (16, None, int),
-    "--seq-len": (32, None, int),
+    "--recompute": ("none", ("none", "selective", "full"), str),
+    "--precision": ("fp32", ("fp64", "fp32", "bf16", "fp16"), str),
+    "--fused": (False, None, SWITCH),
+    "--optimizer": ("adamw", ("adamw", "sgd"), str),
     "--lr": (1.5e-3, None, float),
     "--weight-decay": (0.0, None, float),
-    "--optimizer": ("adamw", ("adamw", "sgd"), str),
     "--momentum": (0.9, None, float),  # new: it was SGD's hard-coded 0.9
     "--clip-grad-norm": (None, None, float),
-    "--seed": (0, None, int),
     "--backend": (None, ("numpy", "cupy"), str),  # None: $MINIPAR_BACKEND, else numpy
-    "--n-layer": (4, None, int),
-    "--n-head": (4, None, int),
-    "--d-model": (64, None, int),
-    "--n-experts": (4, None, int),
-    "--top-k": (1, None, int),
-    "--capacity-factor": (1.0, None, float),
-    "--aux-loss-coef": (0.01, None, float),
-    "--ep": (1, None, int),
-    "--bucket-mb": (0.25, None, float),
-    "--no-overlap": (False, None, SWITCH),
-    "--recompute": ("none", ("none", "selective", "full"), str),
-    "--fused": (False, None, SWITCH),
+    "--steps": (60, None, int),
+    "--batch-size": (16, None, int),
+    "--seed": (0, None, int),
     "--log": (None, None, str),
     "--save": (None, None, str),
     "--save-every": (None, None, int),
@@ -204,11 +204,12 @@ def test_the_formulas_and_the_chunk_checks_import_nothing_of_the_trainer_above_t
     code = ("import sys; import minipar.memory.planner, minipar.parallel.schedules; "
             "assert not [m for m in sys.modules if m.startswith('minipar.trainer')], sys.modules.keys(); "
             "from minipar.parallel import zero_chunked; from minipar.core.nn import MLPNet, MLPConfig; "
-            "from minipar.core.optim import AdamW; from minipar.trainer.config import TrainConfig; "
-            "cfg = TrainConfig(model='mlp', dp=1, chunk_mb=0.001, device_mem_mb=0.01, precision='fp64'); "
+            "from minipar.core.optim import AdamW; "
+            "options = zero_chunked.ChunkedOptions(chunk_mb=0.001, device_mem_mb=0.01); "
             "model = MLPNet(MLPConfig(d_hidden=8, n_layer=2), seed=0); "
-            "print(zero_chunked.config_errors(cfg), zero_chunked.size_errors(cfg, model, AdamW([]))); "
-            "assert 'minipar.trainer.build' not in sys.modules")
+            "print(zero_chunked.config_errors(options), "
+            "zero_chunked.size_errors(options, 1, model, AdamW([]))); "
+            "assert not [m for m in sys.modules if m.startswith('minipar.trainer')]")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("[] [") and "too small" in done.stdout  # the checks ran, on real sizes
