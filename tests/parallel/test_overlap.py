@@ -207,6 +207,49 @@ def test_zero3_prefetch_sends_the_same_bytes_and_holds_the_previous_unit_beside_
     assert buffer_meter.current == 0
 
 
+class GatherCounter:
+    """The updater's communicator, with each all-gather it is asked for written down in order:
+    ("wait", numel) for a blocking one, ("start", numel) for a non-blocking one (a prefetch)."""
+
+    def __init__(self, comm):
+        self.comm, self.calls = comm, []
+
+    def all_gather(self, shard, numel):
+        self.calls.append(("wait", numel))
+        return self.comm.all_gather(shard, numel=numel)
+
+    def iall_gather(self, shard, numel):
+        self.calls.append(("start", numel))
+        return self.comm.iall_gather(shard, numel=numel)
+
+    def __getattr__(self, name):  # everything else: the communicator itself
+        return getattr(self.comm, name)
+
+
+@mpi_test
+def test_zero3_prefetch_starts_each_units_gather_one_unit_ahead_and_uses_every_one(comm):
+    """With prefetch, forward waits only for the first unit and backward only for the last: every
+    other unit's gather was started while its neighbour computed (the next one in forward, the one
+    before in backward). Without it, every gather waits. Fetching the wrong unit (two ahead, or the
+    current one) keeps values and bytes, but makes the gathers of this order wait."""
+    n = comm.size
+    for no_overlap in (False, True):
+        cfg = tiny(dp=n, zero=3, batch_size=n, microbatches=1, steps=1, no_overlap=no_overlap)
+        trainer = train.Trainer(cfg, comm.mpi)
+        updater = trainer.engine.updater
+        updater.comm = counter = GatherCounter(updater.comm)
+        trainer.run()
+        pad = [padded_numel(s, n) for s in unit_sizes(cfg)]  # units in execution order
+        last = len(pad) - 1
+        if no_overlap:  # each unit waits for its gather in forward, then again in backward
+            expected = [("wait", p) for p in pad] + [("wait", p) for p in reversed(pad)]
+        else:  # unit i's forward starts unit i+1's gather; unit i's backward starts unit i-1's
+            expected = ([("wait", pad[0])] + [("start", p) for p in pad[1:]]
+                        + [("wait", pad[last])] + [("start", p) for p in reversed(pad[:last])])
+        assert counter.calls == expected, (no_overlap, counter.calls)
+        assert not updater.prefetched  # every gather started was used by the unit it was for
+
+
 @mpi_given(max_examples=2,
            examples=[at_world_size((2, 4), model="gpt", microbatches=2, recompute="full", seed=3)],
            model=st.sampled_from(["gpt", "mlp"]),
