@@ -25,6 +25,7 @@ from fractions import Fraction
 
 from minipar.memory import activations, planner
 from minipar.parallel import schedules
+from minipar.simulate import kernels
 from minipar.simulate.machines import Machine
 from minipar.simulate.model import (
     ModelShape,
@@ -155,33 +156,61 @@ def _timeline(name: str, stages: int, microbatches: int, virtual_stages: int, ra
     return float(timeline.makespan), bubble, tuple(schedules.peak_inflight(schedule))
 
 
+def _compute_seconds(m: ModelShape, lay: Layout, mach: Machine) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((forward, backward) of one micro-batch through one stage's blocks, (forward, backward) of the
+    logits and loss), recomputation in the backward. With the machine's kernel model (kernels.py):
+    each GEMM and elementwise pass, over the one calibrated scalar. Without (a CPU): FLOPs at one
+    achieved rate, plus a cost per block and pass, ranks beyond the cores time-sharing them."""
+    b, layers_here = lay.microbatch_size, m.n_layer // lay.pp
+    if mach.kernels is not None:
+        value_bytes = PRECISION_BYTES[lay.precision][3]
+        block = kernels.block_seconds(mach.kernels, m.seq_len, b, m.d_model, m.n_head, lay.tp, lay.sp,
+                                      lay.recompute, value_bytes)
+        logits = kernels.logit_seconds(mach.kernels, m.seq_len, b, m.d_model, m.vocab, lay.tp, value_bytes)
+        scale = mach.matmul_efficiency
+        return ((layers_here * block[0] / scale, layers_here * block[1] / scale),
+                (logits[0] / scale, logits[1] / scale))
+    # more ranks than cores: each rank computes at cores/ranks of its speed (the OS time-shares them)
+    time_shared = max(1.0, lay.gpus / mach.cores) if mach.cores else 1.0
+    # a fixed cost per block and pass that splitting the matmuls does not divide (0 on a GPU preset)
+    forward = (layers_here * layer_forward_flops(m, b) / lay.tp / mach.achieved_flops
+               + layers_here * mach.block_overhead) * time_shared
+    logits = logit_forward_flops(m, b) / lay.tp / mach.achieved_flops * time_shared
+    # recomputation reruns in backward what model.hardware_flops counts beyond the model's FLOPs
+    recompute = (hardware_flops(m, b, lay.recompute) - model_flops(m, b)) / (lay.tp * lay.pp)
+    return (forward, 2 * forward + recompute / mach.achieved_flops * time_shared), (logits, 2 * logits)
+
+
 def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     """Predicted step time, throughput, memory per GPU and communication time by dimension."""
     b, s, h = lay.microbatch_size, m.seq_len, m.d_model
     value_bytes = PRECISION_BYTES[lay.precision][3]
     links = _links(lay, mach)
     per_gpu = lay.tp * lay.pp
-    forward_compute = (m.n_layer * layer_forward_flops(m, b) + logit_forward_flops(m, b)) / per_gpu
-    # more ranks than cores: each rank computes at cores/ranks of its speed (the OS time-shares them)
-    time_shared = max(1.0, lay.gpus / mach.cores) if mach.cores else 1.0
-    # a fixed cost per block and pass that splitting the matmuls does not divide (0 on a GPU preset)
-    forward_compute = (forward_compute / mach.achieved_flops + m.n_layer // lay.pp * mach.block_overhead)
-    forward_compute *= time_shared
+    (forward_compute, backward_compute), logits = _compute_seconds(m, lay, mach)
     layers_here = m.n_layer // lay.pp
     # two all-reduces of the s·b·h activations per block and pass (Megatron's f and g); with --sp a
     # reduce-scatter and an all-gather each instead, the same bytes
     tp_pass = 2 * layers_here * ring_seconds("all_reduce", s * b * h * value_bytes, lay.tp, *links["tp"])
     p2p = 0.0
     if lay.pp > 1:
+        # Megatron's scatter/gather: each tp rank sends its 1/tp of the activation across, and the
+        # receiving stage all-gathers the pieces over its tp link
         bandwidth, latency = links["pp"]
-        p2p = lay.virtual_stages * (latency + s * b * h * value_bytes / bandwidth)
-    # recomputation reruns in backward what model.hardware_flops counts beyond the model's FLOPs
-    recompute_s = (hardware_flops(m, b, lay.recompute) - model_flops(m, b)) / per_gpu / mach.achieved_flops
-    recompute_s *= time_shared
+        activation = s * b * h * value_bytes
+        p2p = lay.virtual_stages * (latency + activation / lay.tp / bandwidth
+                                    + ring_seconds("all_gather", activation, lay.tp, *links["tp"]))
     recompute_passes = 1 if lay.recompute == "full" else 0  # only a whole block's rerun all-reduces again
     forward_s = forward_compute + tp_pass + p2p
-    backward_s = 2 * forward_compute + recompute_s + (1 + recompute_passes) * tp_pass + p2p
+    backward_s = backward_compute + (1 + recompute_passes) * tp_pass + p2p
+    if lay.pp == 1:
+        forward_s, backward_s = forward_s + logits[0], backward_s + logits[1]
     pipeline_s, bubble, inflight = _pipeline(lay, forward_s, backward_s)
+    # the logits sit on the last stage alone: the slowest stage, busy for every micro-batch, so the
+    # step grows by M times their seconds (exact for 1F1B, whose last stage never waits once it is
+    # the slowest; an approximation for the other schedules)
+    if lay.pp > 1:
+        pipeline_s += lay.microbatches * (logits[0] + logits[1])
     grad_bytes = Fraction(parameter_count(m), per_gpu) * PRECISION_BYTES[lay.precision][1]
     dp_factor = 1.5 if lay.zero == 3 else 1.0  # ZeRO-3 gathers parameters again in backward
     dp_s = dp_factor * ring_seconds("all_reduce", float(grad_bytes), lay.dp, *links["dp"])
@@ -199,6 +228,6 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
         "memory": {**memory, "capacity": mach.memory_bytes, "fits": memory["total"] <= mach.memory_bytes},
         "comm_s": {"tp": lay.microbatches * (2 + recompute_passes) * tp_pass,
                    "pp": lay.microbatches * 2 * p2p, "dp": dp_s},
-        "compute_s": lay.microbatches * (3 * forward_compute + recompute_s),
+        "compute_s": lay.microbatches * (forward_compute + backward_compute + logits[0] + logits[1]),
         "bubble_fraction": bubble,
     }
