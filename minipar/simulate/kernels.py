@@ -43,6 +43,7 @@ calibrated on Table 1's first row. Lesson: lessons/14_simulate.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -73,6 +74,7 @@ def tile_flops(spec: KernelSpec, tile: tuple[int, int], value_bytes: int = 2) ->
     return min(spec.mamf, 2 * tm * tn / ((tm + tn) * value_bytes) * spec.l2_bandwidth)
 
 
+@functools.lru_cache(maxsize=4096)  # a search asks for the same shapes many times
 def gemm_seconds(spec: KernelSpec, m: int, n: int, k: int, batch: int = 1, value_bytes: int = 2) -> float:
     """A (batch of) m x k by k x n GEMM: the best tile's whole waves, or its bytes through HBM."""
     best = math.inf

@@ -1,10 +1,15 @@
 """One training step's time and memory per GPU, composed from minipar's own formulas.
 
-Compute: model.py's FLOPs over the machine's achieved FLOP/s, split evenly over tensor and pipeline
-ranks (the logits' share too: a modelling choice; Megatron's last stage carries them alone).
+Compute: kernels.py's kernel-time model on a GPU preset (each block's GEMMs in whole waves of tiles up
+to the measured matmul ceiling, elementwise passes at HBM bandwidth) over the machine's one calibrated
+scalar; on a machine without one (a CPU), model.py's FLOPs at one achieved rate. Per stage: its
+blocks; the logits and loss on the last stage alone (Megatron's partition), which, the slowest
+stage, adds M times their seconds to the step (exact for 1F1B).
 Communication: the alpha-beta cost of the ring `Comm` charges (distributed/ledger.py: all-reduce sends
 2(N-1)/N·S per rank in 2(N-1) messages), placed on its link: tensor-parallel groups inside a node
-(NVLink), pipeline and data-parallel groups on InfiniBand once a group spans nodes.
+(NVLink), pipeline and data-parallel groups on InfiniBand once a group spans nodes; each at the
+bandwidth NCCL achieves (machines.py). A pipeline send carries 1/tp of the activation across and is
+all-gathered over the tp link on arrival (Megatron's scatter/gather).
 Overlap rules (stated, not measured): tensor-parallel all-reduces and pipeline sends are not
 overlapped with compute (they sit on the critical path, as in Megatron-LM 2021); the data-parallel
 gradient reduction runs after the pipeline drains, not overlapped; the optimizer step is free.
@@ -13,7 +18,7 @@ units (B/F rounded to eighths), its makespan scaled by the forward's seconds.
 On a CPU (`Machine.cores`), R ranks on C < R cores compute at C/R of their speed each.
 Memory: model states by the ZeRO planner's rule (memory/planner.py), activations by
 memory/activations.py (one micro-batch's peak with pp = 1, exactly what the ledger measures; with pp >
-1, the first stage's in-flight micro-batches times its blocks).
+1, the first stage's in-flight micro-batches times its blocks). Lesson: lessons/14_simulate.md.
 """
 
 from __future__ import annotations
@@ -156,7 +161,10 @@ def _timeline(name: str, stages: int, microbatches: int, virtual_stages: int, ra
     return float(timeline.makespan), bubble, tuple(schedules.peak_inflight(schedule))
 
 
-def _compute_seconds(m: ModelShape, lay: Layout, mach: Machine) -> tuple[tuple[float, float], tuple[float, float]]:
+Seconds = tuple[float, float]  # (forward, backward)
+
+
+def _compute_seconds(m: ModelShape, lay: Layout, mach: Machine) -> tuple[Seconds, Seconds]:
     """((forward, backward) of one micro-batch through one stage's blocks, (forward, backward) of the
     logits and loss), recomputation in the backward. With the machine's kernel model (kernels.py):
     each GEMM and elementwise pass, over the one calibrated scalar. Without (a CPU): FLOPs at one

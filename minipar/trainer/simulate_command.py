@@ -41,7 +41,7 @@ def _parser() -> OneLineParser:
         parser.add_argument(f"--{link}-bandwidth", type=float, default=None, help="GB/s each way per GPU")
         parser.add_argument(f"--{link}-latency", type=float, default=None, help="microseconds per message")
     parser.add_argument("--search", action="store_true",
-                        help="rank every layout on --gpus GPUs by predicted throughput")
+                        help="rank every layout on --gpus GPUs by predicted step time")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for --search")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser

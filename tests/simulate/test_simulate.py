@@ -119,8 +119,32 @@ def test_search_ranks_what_fits_and_says_why_the_rest_do_not():
     considered = len(list(candidates(shape, 4, 16, small)))
     assert found["fitting"] + sum(found["refused"].values()) == considered
     assert found["refused"]["memory beyond the GPU's"] > 0
-    speeds = [row["tflops_per_gpu"] for row in found["ranked"]]
-    assert speeds == sorted(speeds, reverse=True) and all(row["memory_gb"] <= 2e-3 for row in found["ranked"])
+    steps = [row["step_s"] for row in found["ranked"]]
+    assert steps == sorted(steps) and all(row["memory_gb"] <= 2e-3 for row in found["ranked"])
+
+
+def test_search_tries_each_layout_once():
+    """One GPU and a batch of 7: b = 1, 2, 4, 8 give 7, 3, 1 and 1 micro-batches, so b = 4 and b = 8 are
+    both the one micro-batch of 7 sequences: 3 distinct layouts (3 micro-batches does not divide 7 and
+    is refused) for each of 4 ZeRO stages and 3 recomputations, 36, not 48; and fitting plus refused
+    counts each once."""
+    from minipar.simulate.search import candidates, search
+    shape = ModelShape(4, 64, 4, 32, 27)
+    layouts = list(candidates(shape, 1, 7, GPUS["a100-80gb"]))
+    assert len(layouts) == 3 * 4 * 3 == len(set(layouts))
+    found = search(shape, 1, 7, GPUS["a100-80gb"], top=1000)
+    assert found["fitting"] + sum(found["refused"].values()) == 36 and found["fitting"] == 24
+
+
+def test_search_ranks_by_step_time_not_by_the_work_recomputation_adds():
+    """A 7.5B-like model on 8 A100-40GB: full recomputation fits bigger micro-batches and counts its
+    forward twice, so its hardware TFLOP/s top the list, yet a layout that keeps its activations
+    finishes the same batch sooner: the search ranks that one first."""
+    from minipar.simulate.search import search
+    found = search(ModelShape(24, 4096, 32, 2048, 51200), 8, 64, GPUS["a100-40gb"], top=1000)
+    best, busiest = found["ranked"][0], max(found["ranked"], key=lambda row: row["tflops_per_gpu"])
+    assert busiest["recompute"] == "full" and best["recompute"] != "full"
+    assert best["step_s"] == min(row["step_s"] for row in found["ranked"]) < busiest["step_s"]
 
 
 def test_zero3_falls_behind_3d_parallelism_as_the_paper_found():
