@@ -18,7 +18,8 @@ units (B/F rounded to eighths), its makespan scaled by the forward's seconds.
 On a CPU (`Machine.cores`), R ranks on C < R cores compute at C/R of their speed each.
 Memory: model states by the ZeRO planner's rule (memory/planner.py), activations by
 memory/activations.py (one micro-batch's peak with pp = 1, exactly what the ledger measures; with pp >
-1, the first stage's in-flight micro-batches times its blocks). Lesson: lessons/14_simulate.md.
+1, the first stage's in-flight (micro-batch, chunk) pairs times a chunk's blocks: the interleaved
+schedule's 1 + (K-1)/(VK) times 1F1B's). Lesson: lessons/14_simulate.md.
 """
 
 from __future__ import annotations
@@ -137,8 +138,10 @@ def activation_memory(m: ModelShape, lay: Layout, inflight: int) -> int:
         return activations.gpt_activation_peak(s, b, h, a, m.n_layer, m.vocab, lay.tp, lay.recompute,
                                                value_bytes, lay.sp)
     block = activations.block_activation_values(s, b, h, a, lay.tp, lay.recompute, lay.sp)
-    first_stage = activations.embedding_values(s, b, h, lay.tp) + m.n_layer // lay.pp * block
-    return inflight * first_stage * value_bytes
+    # `inflight` counts (micro-batch, chunk) pairs: each holds one chunk's blocks, L / (pp x V) (the
+    # embedding's few values, held by chunk 0 alone, counted with each pair: an overcount of sb values)
+    chunk = activations.embedding_values(s, b, h, lay.tp) + m.n_layer // (lay.pp * lay.virtual_stages) * block
+    return inflight * chunk * value_bytes
 
 
 def _pipeline(lay: Layout, forward_s: float, backward_s: float) -> tuple[float, float, list[int]]:

@@ -2,7 +2,9 @@
 
 The cost model is minipar/simulate/ (this file parses the options, checks them in one line with exit
 code 2, and prints a table or JSON). `--preset NAME` takes a published run's model and layout
-(minipar/simulate/presets.py); any model or layout flag given as well overrides it. `--table1`
+(minipar/simulate/presets.py), its precision included; without a preset `--precision` is required
+(a silent default would be 2x off for half the runs compared). Any model or layout flag given as well
+overrides the preset. `--table1`
 prints Narayanan et al.'s Table 1, published against predicted. Lesson: lessons/14_simulate.md.
 """
 
@@ -72,7 +74,7 @@ def _run_of(parser, args) -> tuple[ModelShape, Layout]:
     if args.preset:
         shape, layout, _ = presets.preset(args.preset)
     else:
-        shape, layout = ModelShape(**MODEL_FLAGS), Layout(LAYOUT_FLAGS["batch_size"], precision="fp32")
+        shape, layout = ModelShape(**MODEL_FLAGS), Layout(LAYOUT_FLAGS["batch_size"])
     shape = replace(shape, **{k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
     given = {k: getattr(args, k) for k in list(LAYOUT_FLAGS) + ["schedule", "zero", "recompute", "sp",
                                                                  "precision"] if getattr(args, k) is not None}
@@ -80,6 +82,9 @@ def _run_of(parser, args) -> tuple[ModelShape, Layout]:
     errors = layout_errors(shape, layout)
     if errors:
         parser.error(errors[0])
+    if not args.preset and args.precision is None:
+        # bytes per value, kernel traffic and memory all scale with it: no silent default
+        parser.error("--precision is required without --preset (fp32, bf16, fp16 or fp64)")
     return shape, layout
 
 

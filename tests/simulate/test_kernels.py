@@ -3,6 +3,7 @@ an answer worked out by hand here: a GEMM's tiles and waves, its bytes, a block'
 the logits on the last stage, a pipeline send of 1/tp, and Table 1 within 10%. Serial."""
 
 import math
+from fractions import Fraction
 from dataclasses import replace
 
 import pytest
@@ -134,3 +135,36 @@ def test_one_gemm_efficiency_does_not_fit_table1():
     errors = [r["error"] for r in presets.table1(flat)]
     assert min(errors[-3:]) < -0.10
     assert math.isclose(errors[0], 0.0, abs_tol=0.06)
+
+
+# ---- the schedules: memory and step time against the paper's formulas --------------------------------
+
+
+@pytest.mark.parametrize("stages,chunks", [(4, 2), (4, 3), (2, 2)])
+def test_interleaved_activations_are_the_papers_factor_of_1f1b(stages, chunks):
+    """Narayanan et al. 2021 (section 2.2.2): with V chunks per stage the first stage holds
+    1 + (K-1)/(VK) times 1F1B's activations, 1F1B holding K micro-batches of L/K blocks each (L blocks)."""
+    from minipar.memory import activations
+    from minipar.simulate.step import activation_memory
+    from minipar.parallel import schedules
+    K, V, M = stages, chunks, 2 * stages
+    shape = ModelShape(K * V * 2, 64, 4, 32, 27)
+    L, block = shape.n_layer, activations.block_activation_values(32, 1, 64, 4, 1, "none") * 4  # fp32
+    one_f_one_b = Layout(M, microbatches=M, pp=K, precision="fp32")
+    interleaved = replace(one_f_one_b, schedule="interleaved", virtual_stages=V)
+    peak = schedules.peak_inflight(schedules.build_schedule("interleaved", K, M, V))[0]
+    assert peak * Fraction(L, K * V) == L * (1 + Fraction(K - 1, V * K))  # the schedule keeps the paper's count
+    assert activation_memory(shape, one_f_one_b, K) == L * block
+    assert activation_memory(shape, interleaved, peak) == L * (1 + Fraction(K - 1, V * K)) * block
+
+
+@pytest.mark.parametrize("stages,microbatches,chunks", [(4, 8, 2), (2, 4, 3)])
+def test_interleaved_step_is_its_schedules_makespan(stages, microbatches, chunks):
+    """Equal stages, backward 2 forwards, free links: 1F1B takes (M + K - 1)(F + B) and the interleaved
+    schedule (M + (K-1)/V)(F + B) (the paper's bubble (K-1)/V per micro-batch slot)."""
+    K, M, V = stages, microbatches, chunks
+    shape = ModelShape(K * V * 2, 64, 4, 32, 0)
+    base = Layout(M, microbatches=M, pp=K)
+    plain = simulate_step(shape, base, QUIET)["step_s"]
+    interleaved = simulate_step(shape, replace(base, schedule="interleaved", virtual_stages=V), QUIET)["step_s"]
+    assert interleaved / plain == pytest.approx((M + Fraction(K - 1, V)) / (M + K - 1), rel=1e-12)

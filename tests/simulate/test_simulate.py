@@ -89,6 +89,22 @@ def test_table1_first_row_is_the_calibration_and_the_rest_within_30_percent():
     assert len(rows) == 10 and all(abs(r["error"]) < 0.30 for r in rows)
 
 
+def test_precision_is_required_without_a_preset(capsys):
+    # no silent fp32: a bf16 run compared with an fp32 prediction is 2x off in every byte
+    assert simulate_main([]) == 2
+    assert capsys.readouterr().err == ("minipar simulate: error: --precision is required without --preset "
+                                       "(fp32, bf16, fp16 or fp64)\n")
+    assert simulate_main(["--precision", "bf16", "--json"]) == 0
+    assert simulate_main(["--preset", "megatron-1.7b", "--json"]) == 0
+    capsys.readouterr()
+    import json
+    assert simulate_main(["--precision", "fp32", "--json"]) == 0
+    fp32 = json.loads(capsys.readouterr().out)
+    assert simulate_main(["--precision", "bf16", "--json"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert fp32["memory"]["params"] == 2 * bf16["memory"]["params"]
+
+
 def test_bad_input_is_one_line_and_exit_code_2(capsys):
     assert simulate_main(["--tp", "3"]) == 2
     assert simulate_main(["--dp", "0"]) == 2
@@ -201,4 +217,4 @@ def test_search_on_ten_million_gpus_answers():
     from minipar.simulate.search import _divisors
     assert _divisors(9699690) == [d for d in range(1, 9699691) if 9699690 % d == 0]
     assert _divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36] and _divisors(1) == [1]
-    assert simulate_main(["--search", "--gpus", "9699690", "--json"]) == 0
+    assert simulate_main(["--search", "--gpus", "9699690", "--precision", "bf16", "--json"]) == 0
