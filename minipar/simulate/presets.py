@@ -40,10 +40,12 @@ def preset(name: str) -> tuple[ModelShape, Layout, float | None]:
     """(model, layout, published TFLOP/s per GPU or None) of a published run."""
     if name == "gpt3-175b":
         return (ModelShape(96, 12288, 96, SEQ, VOCAB),
-                Layout(1536, microbatches=1536 // 8, dp=8, tp=8, pp=16, recompute="full", precision="fp16"), None)
+                Layout(1536, microbatches=1536 // 8, dp=8, tp=8, pp=16, recompute="full", precision="fp16"),
+                None)
     _, heads, width, blocks, tp, pp, gpus, batch, published = MEGATRON_TABLE1[name]
     dp = gpus // (tp * pp)
-    layout = Layout(batch, microbatches=batch // dp, dp=dp, tp=tp, pp=pp, recompute="full", precision="fp16")
+    layout = Layout(batch, microbatches=batch // dp, dp=dp, tp=tp, pp=pp, recompute="full",
+                    precision="fp16")
     return ModelShape(blocks, width, heads, SEQ, VOCAB), layout, published
 
 

@@ -3,8 +3,8 @@ an answer worked out by hand here: a GEMM's tiles and waves, its bytes, a block'
 the logits on the last stage, a pipeline send of 1/tp, and Table 1 within 10%. Serial."""
 
 import math
-from fractions import Fraction
 from dataclasses import replace
+from fractions import Fraction
 
 import pytest
 
@@ -145,15 +145,16 @@ def test_interleaved_activations_are_the_papers_factor_of_1f1b(stages, chunks):
     """Narayanan et al. 2021 (section 2.2.2): with V chunks per stage the first stage holds
     1 + (K-1)/(VK) times 1F1B's activations, 1F1B holding K micro-batches of L/K blocks each (L blocks)."""
     from minipar.memory import activations
-    from minipar.simulate.step import activation_memory
     from minipar.parallel import schedules
+    from minipar.simulate.step import activation_memory
     K, V, M = stages, chunks, 2 * stages
     shape = ModelShape(K * V * 2, 64, 4, 32, 27)
     L, block = shape.n_layer, activations.block_activation_values(32, 1, 64, 4, 1, "none") * 4  # fp32
     one_f_one_b = Layout(M, microbatches=M, pp=K, precision="fp32")
     interleaved = replace(one_f_one_b, schedule="interleaved", virtual_stages=V)
     peak = schedules.peak_inflight(schedules.build_schedule("interleaved", K, M, V))[0]
-    assert peak * Fraction(L, K * V) == L * (1 + Fraction(K - 1, V * K))  # the schedule keeps the paper's count
+    # the schedule keeps the paper's count
+    assert peak * Fraction(L, K * V) == L * (1 + Fraction(K - 1, V * K))
     assert activation_memory(shape, one_f_one_b, K) == L * block
     assert activation_memory(shape, interleaved, peak) == L * (1 + Fraction(K - 1, V * K)) * block
 
@@ -166,5 +167,6 @@ def test_interleaved_step_is_its_schedules_makespan(stages, microbatches, chunks
     shape = ModelShape(K * V * 2, 64, 4, 32, 0)
     base = Layout(M, microbatches=M, pp=K)
     plain = simulate_step(shape, base, QUIET)["step_s"]
-    interleaved = simulate_step(shape, replace(base, schedule="interleaved", virtual_stages=V), QUIET)["step_s"]
+    interleaved = simulate_step(shape, replace(base, schedule="interleaved", virtual_stages=V),
+                                QUIET)["step_s"]
     assert interleaved / plain == pytest.approx((M + Fraction(K - 1, V)) / (M + K - 1), rel=1e-12)
