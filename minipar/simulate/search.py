@@ -25,7 +25,8 @@ def _divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def candidates(m: ModelShape, gpus: int, batch_size: int, mach: Machine, precision: str = "bf16"):
+def candidates(m: ModelShape, gpus: int, batch_size: int, mach: Machine, precision: str = "bf16",
+               overlap: tuple[str, ...] = ()):
     """Every distinct layout the search considers (some do not divide: their errors say why)."""
     seen = set()
     for tp in _divisors(min(gpus, mach.gpus_per_node)):
@@ -37,18 +38,18 @@ def candidates(m: ModelShape, gpus: int, batch_size: int, mach: Machine, precisi
                     for recompute in ("none", "selective", "full"):
                         for sp in (False, True) if tp > 1 else (False,):
                             layout = Layout(batch_size, microbatches, dp, tp, pp, zero=zero,
-                                            recompute=recompute, sp=sp, precision=precision)
+                                            recompute=recompute, sp=sp, precision=precision, overlap=overlap)
                             if layout not in seen:
                                 seen.add(layout)
                                 yield layout
 
 
 def search(m: ModelShape, gpus: int, batch_size: int, mach: Machine, precision: str = "bf16",
-           top: int = 10) -> dict:
+           top: int = 10, overlap: tuple[str, ...] = ()) -> dict:
     """{"ranked": the `top` fastest layouts that fit, "fitting": how many fit, "refused": {reason: how
     many layouts}}."""
     ranked, refused = [], Counter()
-    for layout in candidates(m, gpus, batch_size, mach, precision):
+    for layout in candidates(m, gpus, batch_size, mach, precision, overlap):
         errors = layout_errors(m, layout)
         if errors:
             what = "too many to simulate" if "simulator" in errors[0] else "a size does not divide"

@@ -10,9 +10,12 @@ Communication: the alpha-beta cost of the ring `Comm` charges (distributed/ledge
 (NVLink), pipeline and data-parallel groups on InfiniBand once a group spans nodes; each at the
 bandwidth NCCL achieves (machines.py). A pipeline send carries 1/tp of the activation across and is
 all-gathered over the tp link on arrival (Megatron's scatter/gather).
-Overlap rules (stated, not measured): tensor-parallel all-reduces and pipeline sends are not
-overlapped with compute (they sit on the critical path, as in Megatron-LM 2021); the data-parallel
-gradient reduction runs after the pipeline drains, not overlapped; the optimizer step is free.
+Overlap (stated rules, each an option of `Layout.overlap`; none by default, as in Megatron-LM 2021,
+where every byte sits on the critical path): "dp", Megatron-Core's bucketed overlap, the gradient
+reduction under the last micro-batch's backward and ZeRO's parameter all-gather under the first
+forward; "tp", each half all-reduce (all-gather or reduce-scatter) under the GEMM it feeds or
+drains; "pp", the sends under the next micro-batch's compute. Each hides up to its window's seconds;
+the rest stays exposed (`exposed_comm_s`). The optimizer step is free.
 The pipeline: parallel/schedules.py's simulate() with a forward of 1 and a backward of B/F time
 units (B/F rounded to eighths), its makespan scaled by the forward's seconds.
 On a CPU (`Machine.cores`), R ranks on C < R cores compute at C/R of their speed each.
@@ -62,6 +65,7 @@ class Layout:
     recompute: str = "none"
     sp: bool = False
     precision: str = "bf16"
+    overlap: tuple[str, ...] = ()  # of "dp", "tp", "pp": what runs under compute (OVERLAPS)
 
     @property
     def gpus(self) -> int:
@@ -72,9 +76,13 @@ class Layout:
         return self.batch_size // (self.dp * self.microbatches)
 
 
+OVERLAPS = ("dp", "tp", "pp")
+
+
 def layout_errors(m: ModelShape, lay: Layout) -> list[str]:
     """Why this layout cannot run this model (divisibility), empty when it can."""
-    errors = []
+    errors = [f"overlap {name!r} is not one of {', '.join(OVERLAPS)}" for name in lay.overlap
+              if name not in OVERLAPS]
     if lay.batch_size % (lay.dp * lay.microbatches):
         errors.append(f"batch {lay.batch_size} is not divisible by dp x microbatches = "
                       f"{lay.dp * lay.microbatches}")
@@ -192,6 +200,32 @@ def _compute_seconds(m: ModelShape, lay: Layout, mach: Machine) -> tuple[Seconds
     return (forward, 2 * forward + recompute / mach.achieved_flops * time_shared), (logits, 2 * logits)
 
 
+def _linear_seconds(m: ModelShape, lay: Layout, mach: Machine) -> list[float]:
+    """Forward seconds of a block's q/k/v, projection, fc and fc2 GEMMs on a tp rank: the windows
+    tensor-parallel communication can hide under."""
+    b, h, t = lay.microbatch_size, m.d_model, lay.tp
+    gemms = [g for g in kernels.block_gemms(m.seq_len, b, h, m.n_head, t) if g[3] == 1]  # not per head
+    if mach.kernels is not None:
+        value_bytes = PRECISION_BYTES[lay.precision][3]
+        return [kernels.gemm_seconds(mach.kernels, *g, value_bytes=value_bytes) / mach.matmul_efficiency
+                for g in gemms]
+    return [2 * mm * n * k / mach.achieved_flops for mm, n, k, _ in gemms]
+
+
+def _dp_exposed(lay: Layout, gradients: float, forward_s: float, backward_s: float) -> float:
+    """What the data-parallel traffic leaves on the critical path when it overlaps (Megatron-Core's
+    bucketed overlap): gradients are final only in the last micro-batch's backward, so their reduction
+    hides under that one backward; ZeRO's parameter all-gather (after the step, stages 1-2; before
+    each use, stage 3) under the first micro-batch's forward. Each part: max(0, its seconds - window)."""
+    if lay.zero == 0:
+        parts = [(gradients, backward_s)]                               # all-reduce
+    elif lay.zero in (1, 2):
+        parts = [(gradients / 2, backward_s), (gradients / 2, forward_s)]  # reduce-scatter, all-gather
+    else:
+        parts = [(gradients, backward_s), (gradients / 2, forward_s)]  # gather + reduce-scatter; gather
+    return sum(max(0.0, seconds - window) for seconds, window in parts)
+
+
 def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     """Predicted step time, throughput, memory per GPU and communication time by dimension."""
     b, s, h = lay.microbatch_size, m.seq_len, m.d_model
@@ -202,7 +236,15 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     layers_here = m.n_layer // lay.pp
     # two all-reduces of the s·b·h activations per block and pass (Megatron's f and g); with --sp a
     # reduce-scatter and an all-gather each instead, the same bytes
-    tp_pass = 2 * layers_here * ring_seconds("all_reduce", s * b * h * value_bytes, lay.tp, *links["tp"])
+    all_reduce = ring_seconds("all_reduce", s * b * h * value_bytes, lay.tp, *links["tp"])
+    tp_pass = 2 * layers_here * all_reduce
+    tp_exposed = tp_pass
+    if "tp" in lay.overlap:
+        # Megatron-Core's tp overlap: each half all-reduce (the all-gather before q/k/v and fc, the
+        # reduce-scatter after the projection and fc2) runs under the GEMM it feeds or drains; what
+        # the GEMM is too short to hide stays on the critical path
+        windows = _linear_seconds(m, lay, mach)
+        tp_exposed = layers_here * sum(max(0.0, all_reduce / 2 - gemm) for gemm in windows)
     p2p = 0.0
     if lay.pp > 1:
         # Megatron's scatter/gather: each tp rank sends its 1/tp of the activation across, and the
@@ -211,9 +253,10 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
         activation = s * b * h * value_bytes
         p2p = lay.virtual_stages * (latency + activation / lay.tp / bandwidth
                                     + ring_seconds("all_gather", activation, lay.tp, *links["tp"]))
+    p2p_exposed = 0.0 if "pp" in lay.overlap else p2p  # sent while the next micro-batch computes
     recompute_passes = 1 if lay.recompute == "full" else 0  # only a whole block's rerun all-reduces again
-    forward_s = forward_compute + tp_pass + p2p
-    backward_s = backward_compute + (1 + recompute_passes) * tp_pass + p2p
+    forward_s = forward_compute + tp_exposed + p2p_exposed
+    backward_s = backward_compute + (1 + recompute_passes) * tp_exposed + p2p_exposed
     if lay.pp == 1:
         forward_s, backward_s = forward_s + logits[0], backward_s + logits[1]
     pipeline_s, bubble, inflight = _pipeline(lay, forward_s, backward_s)
@@ -223,9 +266,12 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     if lay.pp > 1:
         pipeline_s += lay.microbatches * (logits[0] + logits[1])
     grad_bytes = Fraction(parameter_count(m), per_gpu) * PRECISION_BYTES[lay.precision][1]
-    dp_factor = 1.5 if lay.zero == 3 else 1.0  # ZeRO-3 gathers parameters again in backward
-    dp_s = dp_factor * ring_seconds("all_reduce", float(grad_bytes), lay.dp, *links["dp"])
-    step_s = pipeline_s + dp_s
+    gradients = ring_seconds("all_reduce", float(grad_bytes), lay.dp, *links["dp"])
+    dp_s = (1.5 if lay.zero == 3 else 1.0) * gradients  # ZeRO-3 gathers parameters again in backward
+    dp_exposed = dp_s
+    if "dp" in lay.overlap:
+        dp_exposed = _dp_exposed(lay, gradients, forward_compute, backward_compute)
+    step_s = pipeline_s + dp_exposed
     gpus = lay.gpus
     memory = model_state_memory(m, lay)
     memory["activations"] = activation_memory(m, lay, inflight[0])
@@ -239,6 +285,8 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
         "memory": {**memory, "capacity": mach.memory_bytes, "fits": memory["total"] <= mach.memory_bytes},
         "comm_s": {"tp": lay.microbatches * (2 + recompute_passes) * tp_pass,
                    "pp": lay.microbatches * 2 * p2p, "dp": dp_s},
+        "exposed_comm_s": {"tp": lay.microbatches * (2 + recompute_passes) * tp_exposed,
+                           "pp": lay.microbatches * 2 * p2p_exposed, "dp": dp_exposed},
         "compute_s": lay.microbatches * (forward_compute + backward_compute + logits[0] + logits[1]),
         "bubble_fraction": bubble,
     }

@@ -19,7 +19,7 @@ from minipar.parallel import schedules
 from minipar.simulate import presets, search
 from minipar.simulate.machines import GPUS, machine
 from minipar.simulate.model import ModelShape
-from minipar.simulate.step import PRECISION_BYTES, Layout, layout_errors, simulate_step
+from minipar.simulate.step import OVERLAPS, PRECISION_BYTES, Layout, layout_errors, simulate_step
 from minipar.trainer.arguments import OneLineParser
 
 MODEL_FLAGS = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32, "vocab": 27}
@@ -37,6 +37,9 @@ def _parser() -> OneLineParser:
     parser.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     parser.add_argument("--sp", action="store_true", default=None)
     parser.add_argument("--precision", choices=list(PRECISION_BYTES), default=None)
+    parser.add_argument("--overlap", nargs="+", choices=OVERLAPS, default=None,
+                        help="communication that runs under compute: dp (bucketed gradient reduction and "
+                             "ZeRO's gathers), tp (collectives under their GEMMs), pp (sends); default none")
     parser.add_argument("--gpu", choices=list(GPUS), default="a100-80gb")
     parser.add_argument("--gpus-per-node", type=int, default=None)
     for link in ("intra", "inter"):
@@ -78,6 +81,8 @@ def _run_of(parser, args) -> tuple[ModelShape, Layout]:
     shape = replace(shape, **{k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
     given = {k: getattr(args, k) for k in list(LAYOUT_FLAGS) + ["schedule", "zero", "recompute", "sp",
                                                                  "precision"] if getattr(args, k) is not None}
+    if args.overlap is not None:
+        given["overlap"] = tuple(sorted(set(args.overlap)))
     layout = replace(layout, **given)
     errors = layout_errors(shape, layout)
     if errors:
@@ -138,6 +143,9 @@ def _print_result(shape, layout, result) -> None:
     print(f"step: {result['step_s']:.4g} s, {result['tflops_per_gpu']:.1f} TFLOP/s per GPU, "
           f"MFU {result['mfu']:.1%}, bubble {result['bubble_fraction']:.3f}")
     comm = ", ".join(f"{dim} {seconds:.3g} s" for dim, seconds in result["comm_s"].items())
+    if layout.overlap:
+        exposed = ", ".join(f"{dim} {seconds:.3g} s" for dim, seconds in result["exposed_comm_s"].items())
+        comm += f" (overlapped: {' '.join(layout.overlap)}; exposed: {exposed})"
     print(f"compute {result['compute_s']:.4g} s; communication: {comm}")
     mem = result["memory"]
     parts = ", ".join(f"{k} {mem[k] / 2**30:.2f}" for k in ("params", "grads", "optimizer", "activations"))
@@ -166,7 +174,8 @@ def simulate_main(argv: list[str]) -> int:
     except SystemExit as exit_request:
         return int(exit_request.code or 0)
     if args.search:
-        _print_search(search.search(shape, args.gpus, layout.batch_size, mach, layout.precision), args.json)
+        _print_search(search.search(shape, args.gpus, layout.batch_size, mach, layout.precision,
+                                    overlap=layout.overlap), args.json)
         return 0
     result = simulate_step(shape, layout, mach)
     if args.json:

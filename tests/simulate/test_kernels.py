@@ -170,3 +170,91 @@ def test_interleaved_step_is_its_schedules_makespan(stages, microbatches, chunks
     interleaved = simulate_step(shape, replace(base, schedule="interleaved", virtual_stages=V),
                                 QUIET)["step_s"]
     assert interleaved / plain == pytest.approx((M + Fraction(K - 1, V)) / (M + K - 1), rel=1e-12)
+
+
+# ---- overlap: what each option hides, against the timeline written out by hand ----------------------
+
+SHAPE = ModelShape(4, 256, 4, 64, 0)  # no logits: every micro-batch is the blocks' 3F
+RATE = 1e12
+
+
+def flops_machine(bandwidth: float, latency: float = 1e-6):
+    """FLOPs at RATE (no kernel model), one link inside the node of the given bandwidth."""
+    return replace(GPUS["a100-80gb"], kernels=None, peak_flops=RATE, matmul_efficiency=1.0,
+                   intra_bandwidth=bandwidth, intra_latency=latency)
+
+
+def ring_all_reduce(n, nbytes, bandwidth, latency):
+    return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
+
+
+@pytest.mark.parametrize("bandwidth", [1e9, 1e11])
+@pytest.mark.parametrize("zero", [0, 1])
+def test_dp_overlap_hides_the_reduction_under_the_last_backward(bandwidth, zero):
+    """dp 4 in a node, M micro-batches of forward F and backward 2F. Without overlap the gradients'
+    all-reduce AR follows the pipeline: M·3F + AR. With it, the all-reduce (ZeRO 0) runs under the last
+    backward: M·3F + max(0, AR - 2F); with ZeRO 1 its reduce-scatter half under that backward and the
+    parameters' all-gather half under the next step's first forward: + max(0, AR/2 - 2F) + max(0, AR/2 - F).
+    1 GB/s leaves part exposed, 100 GB/s hides it all."""
+    M, mach = 3, flops_machine(bandwidth)
+    F = SHAPE.n_layer * layer_forward_flops(SHAPE, 1) / RATE
+    parameters = 4 * (12 * 256 * 256 + 12 * 256) + 64 * 256 + 2 * 256  # blocks, positions, ln_f; V = 0
+    AR = ring_all_reduce(4, 2 * parameters, bandwidth, 1e-6)
+    layout = Layout(4 * M, microbatches=M, dp=4, zero=zero)
+    plain = simulate_step(SHAPE, layout, mach)
+    hidden = simulate_step(SHAPE, replace(layout, overlap=("dp",)), mach)
+    assert plain["step_s"] == pytest.approx(M * 3 * F + AR, rel=1e-9)
+    exposed = max(0, AR - 2 * F) if zero == 0 else max(0, AR / 2 - 2 * F) + max(0, AR / 2 - F)
+    assert hidden["step_s"] == pytest.approx(M * 3 * F + exposed, rel=1e-9)
+    assert hidden["exposed_comm_s"]["dp"] == pytest.approx(exposed, rel=1e-9, abs=1e-15)
+    assert hidden["comm_s"] == plain["comm_s"]  # the same bytes move; only where they wait differs
+    assert (exposed > 0) == (bandwidth == 1e9)
+
+
+def test_tp_overlap_hides_each_half_all_reduce_under_its_gemm():
+    """tp 2, one micro-batch, no recomputation. Per block and pass, two all-reduces AR of s·h values,
+    each split into an all-gather and a reduce-scatter of AR/2, hidden under q/k/v, the projection, fc
+    and fc2 (FLOPs 2·s·(3h/2)·h, 2·s·h·(h/2), 2·s·(4h/2)·h, 2·s·h·(4h/2)): what is left is
+    Σ max(0, AR/2 - gemm); forward once, backward once, per block."""
+    s, h, L = 64, 256, 4
+    bandwidth = 2e9
+    mach = flops_machine(bandwidth)
+    AR = ring_all_reduce(2, s * h * 2, bandwidth, 1e-6)
+    gemms = [2 * s * 3 * h // 2 * h / RATE, 2 * s * h * h // 2 / RATE, 2 * s * 4 * h // 2 * h / RATE,
+             2 * s * h * 4 * h // 2 / RATE]
+    per_block = sum(max(0, AR / 2 - g) for g in gemms)
+    assert 0 < per_block < 2 * AR  # some hidden, some not
+    layout = Layout(1, tp=2)
+    plain, hidden = (simulate_step(SHAPE, replace(layout, overlap=o), mach) for o in ((), ("tp",)))
+    assert plain["step_s"] - hidden["step_s"] == pytest.approx(2 * L * (2 * AR - per_block), rel=1e-9)
+    assert hidden["exposed_comm_s"]["tp"] == pytest.approx(2 * L * per_block, rel=1e-9)
+
+
+def test_pp_overlap_hides_the_sends():
+    """pp 2, tp 1: the sends are the only traffic on the link, so overlapping them gives the step of
+    a link that costs nothing, and the sends' seconds still count in comm_s."""
+    layout = Layout(4, microbatches=4, pp=2)
+    slow, free = flops_machine(1e8, 1e-5), flops_machine(float("inf"), 0.0)
+    hidden = simulate_step(SHAPE, replace(layout, overlap=("pp",)), slow)
+    assert hidden["step_s"] == pytest.approx(simulate_step(SHAPE, layout, free)["step_s"], rel=1e-12)
+    assert hidden["comm_s"]["pp"] == pytest.approx(4 * 2 * (1e-5 + 64 * 256 * 2 / 1e8), rel=1e-12)
+    assert simulate_step(SHAPE, layout, slow)["step_s"] > hidden["step_s"] + hidden["comm_s"]["pp"] / 2
+
+
+def test_overlap_on_the_command_line(capsys):
+    import json
+
+    from minipar.trainer.simulate_command import simulate_main
+    assert simulate_main(["--preset", "gpt3-175b", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert simulate_main(["--preset", "gpt3-175b", "--overlap", "tp", "dp", "pp", "--json"]) == 0
+    hidden = json.loads(capsys.readouterr().out)
+    assert plain["exposed_comm_s"] == plain["comm_s"] and hidden["comm_s"] == plain["comm_s"]
+    assert all(hidden["exposed_comm_s"][d] < plain["comm_s"][d] for d in ("tp", "pp", "dp"))
+    # what tp and pp hide shortens every slot of the pipeline, the bubble's (M + K - 1)/M included
+    M, K = 192, 16
+    saved = {d: plain["comm_s"][d] - hidden["exposed_comm_s"][d] for d in plain["comm_s"]}
+    expected = (saved["tp"] + saved["pp"]) * (M + K - 1) / M + saved["dp"]
+    assert plain["step_s"] - hidden["step_s"] == pytest.approx(expected, rel=0.01)
+    assert simulate_main(["--preset", "gpt3-175b", "--overlap", "fsdp"]) == 2
+    assert "invalid choice: 'fsdp'" in capsys.readouterr().err
