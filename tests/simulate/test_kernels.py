@@ -2,7 +2,6 @@
 an answer worked out by hand here: a GEMM's tiles and waves, its bytes, a block's elementwise passes,
 the logits on the last stage, a pipeline send of 1/tp, and Table 1 within 10%. Serial."""
 
-import math
 from dataclasses import replace
 from fractions import Fraction
 
@@ -129,12 +128,17 @@ def test_table1_every_row_within_10_percent_with_one_scalar_from_row_1():
 
 
 def test_one_gemm_efficiency_does_not_fit_table1():
-    """The old model, FLOPs at one efficiency calibrated on row 1, is what the kernel model replaces:
-    it leaves the largest rows more than 10% slow (the test would pass with it otherwise)."""
-    flat = replace(GPUS["a100-80gb"], kernels=None, matmul_efficiency=0.4762)
-    errors = [r["error"] for r in presets.table1(flat)]
-    assert min(errors[-3:]) < -0.10
-    assert math.isclose(errors[0], 0.0, abs_tol=0.06)
+    """The model the kernels replace, FLOPs at one efficiency calibrated on row 1 the same way, leaves
+    the 310B row more than 10% slow: the within-10% test would fail with it."""
+    def error(name, mach):
+        shape, layout, published = presets.preset(name)
+        return simulate_step(shape, layout, mach)["tflops_per_gpu"] / published - 1
+
+    efficiency = 0.5
+    for _ in range(20):
+        flat = replace(GPUS["a100-80gb"], kernels=None, matmul_efficiency=efficiency)
+        efficiency /= 1 + error("megatron-1.7b", flat)
+    assert abs(error("megatron-1.7b", flat)) < 1e-6 and error("megatron-310b", flat) < -0.10
 
 
 # ---- the schedules: memory and step time against the paper's formulas --------------------------------
@@ -255,6 +259,7 @@ def test_overlap_on_the_command_line(capsys):
     M, K = 192, 16
     saved = {d: plain["comm_s"][d] - hidden["exposed_comm_s"][d] for d in plain["comm_s"]}
     expected = (saved["tp"] + saved["pp"]) * (M + K - 1) / M + saved["dp"]
-    assert plain["step_s"] - hidden["step_s"] == pytest.approx(expected, rel=0.01)
+    # (within the rounding of B/F to eighths that places the pipeline's slots: up to 1/16 of a forward)
+    assert plain["step_s"] - hidden["step_s"] == pytest.approx(expected, rel=0.03)
     assert simulate_main(["--preset", "gpt3-175b", "--overlap", "fsdp"]) == 2
     assert "invalid choice: 'fsdp'" in capsys.readouterr().err
