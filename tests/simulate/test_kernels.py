@@ -65,7 +65,7 @@ def test_block_elementwise_bytes_are_the_passes_counted_one_by_one(t, sp):
                                                                    s * b * sum(backward.values()))
 
 
-def test_block_forward_is_its_six_gemms_then_its_elementwise_bytes():
+def test_block_is_its_gemms_then_its_elementwise_bytes():
     s, b, h, a, t = 2048, 1, 4096, 32, 4
     gemms = [(s, 3 * h // t, h, 1), (s, s, h // a, a // t), (s, h // a, s, a // t), (s, h, h // t, 1),
              (s, 4 * h // t, h, 1), (s, h, 4 * h // t, 1)]
@@ -74,6 +74,11 @@ def test_block_forward_is_its_six_gemms_then_its_elementwise_bytes():
     forward_bytes, _ = kernels.block_elementwise_bytes(s, b, h, a, t)
     expected = sum(kernels.gemm_seconds(A100, *g) for g in gemms) + forward_bytes / HBM
     assert kernels.block_seconds(A100, s, b, h, a, t)[0] == pytest.approx(expected, rel=1e-12)
+    # backward: for Y = X·W (m x k by k x n), dX = dY·Wᵀ is m x n by n x k and dW = Xᵀ·dY is k x m by m x n
+    _, backward_bytes = kernels.block_elementwise_bytes(s, b, h, a, t)
+    backward = sum(kernels.gemm_seconds(A100, m, k, n, batch) + kernels.gemm_seconds(A100, k, n, m, batch)
+                   for m, n, k, batch in gemms) + backward_bytes / HBM
+    assert kernels.block_seconds(A100, s, b, h, a, t)[1] == pytest.approx(backward, rel=1e-12)
     # full recomputation runs the forward again inside the backward
     none, full = (kernels.block_seconds(A100, s, b, h, a, t, recompute=r)[1] for r in ("none", "full"))
     assert full - none == pytest.approx(expected, rel=1e-12)
