@@ -47,6 +47,15 @@ import functools
 import math
 from dataclasses import dataclass
 
+# what the measured ceilings are for: 16-bit tensor-core matmuls (fp32 would be TF32 or CUDA cores)
+PRECISIONS = ("bf16", "fp16")
+
+
+def precision_error(gpu: str, precision: str) -> str:
+    return (f"--precision {precision} on {gpu}: its kernel model has measured bf16/fp16 matmul rates only "
+            f"(use bf16 or fp16)")
+
+
 # cuBLAS's tile sizes (the guide, section 2.3), the most efficient first
 TILES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (64, 128), (64, 64))
 

@@ -183,6 +183,8 @@ def _compute_seconds(m: ModelShape, lay: Layout, mach: Machine) -> tuple[Seconds
     b, layers_here = lay.microbatch_size, m.n_layer // lay.pp
     if mach.kernels is not None:
         value_bytes = PRECISION_BYTES[lay.precision][3]
+        if lay.precision not in kernels.PRECISIONS:
+            raise ValueError(kernels.precision_error(mach.name, lay.precision))
         block = kernels.block_seconds(mach.kernels, m.seq_len, b, m.d_model, m.n_head, lay.tp, lay.sp,
                                       lay.recompute, value_bytes)
         logits = kernels.logit_seconds(mach.kernels, m.seq_len, b, m.d_model, m.vocab, lay.tp, value_bytes)

@@ -16,7 +16,7 @@ import math
 from dataclasses import replace
 
 from minipar.parallel import schedules
-from minipar.simulate import presets, search
+from minipar.simulate import kernels, presets, search
 from minipar.simulate.machines import GPUS, machine
 from minipar.simulate.model import ModelShape
 from minipar.simulate.step import OVERLAPS, PRECISION_BYTES, Layout, layout_errors, simulate_step
@@ -171,6 +171,8 @@ def simulate_main(argv: list[str]) -> int:
         if args.gpus is not None and args.gpus > MAX_GPUS:
             parser.error(f"--gpus {args.gpus:,} is more than the {MAX_GPUS:,} a search takes")
         shape, layout = _run_of(parser, args) if not args.search else _search_run_of(parser, args)
+        if mach.kernels is not None and layout.precision not in kernels.PRECISIONS:
+            parser.error(kernels.precision_error(mach.name, layout.precision))
     except SystemExit as exit_request:
         return int(exit_request.code or 0)
     if args.search:
