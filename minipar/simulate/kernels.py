@@ -36,6 +36,10 @@ parallelism every tp rank runs the LayerNorms and residual adds on the whole h):
     softmax                read, write as/t: 2as/t       read dy, y, write dx: 3as/t
     attention dropout      read, write: 2as/t            read dy, write dx: 2as/t
                            (+ a 1-byte mask, as/t)       (+ the mask read)
+
+The logits: one GEMM of s·b x V/t x h (its backward's two as above) and the softmax cross-entropy,
+which reads and writes the s·b·V/t logits (twice that in backward). The embedding's lookup is left
+out (s·b·h values a step, no GEMM).
 What it saves: the one efficiency that kept Table 1 flat. What it costs: the constants above, each
 cited; the one scalar left (Machine.matmul_efficiency: launch gaps and what is not fused) is
 calibrated on Table 1's first row. Lesson: lessons/14_simulate.md.
