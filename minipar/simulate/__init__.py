@@ -1,7 +1,8 @@
 """A cost model of one training step at cluster scale, built from minipar's own formulas.
 
-model.py counts FLOPs and parameters from the architecture, machines.py holds GPU presets (peak
-FLOP/s, one achieved-efficiency constant, link bandwidths and latencies, each with its source),
+model.py counts FLOPs and parameters from the architecture, kernels.py times each GEMM on its tiles
+and waves and each elementwise pass at HBM bandwidth (cited measurements), machines.py holds GPU
+presets (peak FLOP/s, the kernel model, one calibrated scalar, achieved link bandwidths, each sourced),
 step.py composes compute, communication (the ring costs `Comm` charges) and the pipeline bubble
 (the same schedule simulator `minipar schedule` uses) into a step time, and memory per GPU from the
 ZeRO planner and the activation formulas; presets.py holds published runs to check it against.

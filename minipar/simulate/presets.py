@@ -8,8 +8,14 @@ Every figure below was checked against the paper's Table 1 and against NVIDIA's 
 the Megatron-LM README of April 2021 (images/cases_april2021.png, which gives tp x pp as one
 model-parallel size; the paper gives the split). Lesson 14 says where.
 
-The paper gives no micro-batch size or schedule per row. Modelling choice, the same for every row:
-micro-batch size 1, the 1F1B schedule, full recomputation, ZeRO 0, no sequence parallelism.
+The paper gives no micro-batch size or schedule per row; NVIDIA's script that reruns the table does
+(examples/sc21/run_table_1.sh of github.com/NVIDIA/Megatron-LM: MBS, and
+--num-layers-per-virtual-pipeline-stage for the interleaved schedule of the 76B to 530B rows), and the
+presets take them from it: micro-batch 16, 16, 16, 8, 4, 2, 2, 1, 1, 1; interleaved with 5, 5, 3, 1
+blocks per chunk (3, 2, 2, 3 chunks per stage) for 76B, 146B, 310B, 530B, 1F1B elsewhere. The rest is
+the same for every row: full recomputation, ZeRO 0, no sequence parallelism, nothing overlapped (the
+script's first four rows use PyTorch's DDP, which can overlap the gradient all-reduce with the
+backward; the others Megatron's own, which does not: lesson 14 shows both).
 """
 
 from __future__ import annotations
@@ -33,6 +39,12 @@ MEGATRON_TABLE1 = {
     "megatron-530b": (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
     "megatron-1t": (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 }
+# name: (micro-batch size, blocks per interleaved chunk or None for 1F1B): examples/sc21/run_table_1.sh
+SC21_SETTINGS = {
+    "megatron-1.7b": (16, None), "megatron-3.6b": (16, None), "megatron-7.5b": (16, None),
+    "megatron-18b": (8, None), "megatron-39b": (4, None), "megatron-76b": (2, 5), "megatron-146b": (2, 5),
+    "megatron-310b": (1, 3), "megatron-530b": (1, 1), "megatron-1t": (1, None),
+}
 PRESETS = {"gpt3-175b": "the GPT-3 shape (96 blocks, width 12288, 96 heads) on 1024 A100s: tp 8, pp 16"}
 
 
@@ -40,10 +52,15 @@ def preset(name: str) -> tuple[ModelShape, Layout, float | None]:
     """(model, layout, published TFLOP/s per GPU or None) of a published run."""
     if name == "gpt3-175b":
         return (ModelShape(96, 12288, 96, SEQ, VOCAB),
-                Layout(1536, microbatches=1536 // 8, dp=8, tp=8, pp=16, recompute="full"), None)
+                Layout(1536, microbatches=1536 // 8, dp=8, tp=8, pp=16, recompute="full", precision="fp16"),
+                None)
     _, heads, width, blocks, tp, pp, gpus, batch, published = MEGATRON_TABLE1[name]
+    microbatch_size, per_chunk = SC21_SETTINGS[name]
     dp = gpus // (tp * pp)
-    layout = Layout(batch, microbatches=batch // dp, dp=dp, tp=tp, pp=pp, recompute="full")
+    chunks = 1 if per_chunk is None else blocks // (pp * per_chunk)
+    layout = Layout(batch, microbatches=batch // (dp * microbatch_size), dp=dp, tp=tp, pp=pp,
+                    virtual_stages=chunks, schedule="interleaved" if chunks > 1 else "1f1b",
+                    recompute="full", precision="fp16")
     return ModelShape(blocks, width, heads, SEQ, VOCAB), layout, published
 
 

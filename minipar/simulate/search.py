@@ -2,8 +2,11 @@
 
 The layouts tried: tp a divisor of the GPUs in a node (tensor parallelism stays on NVLink), pp a
 divisor of the blocks, dp the rest; ZeRO 0-3; recompute none, selective or full; --sp with tp > 1;
-micro-batch sizes 1, 2, 4, 8; the 1F1B schedule. Each is either ranked (it fits) or refused with
-its reason: a size that does not divide (step.layout_errors) or memory beyond the GPU's.
+micro-batch sizes 1, 2, 4, 8; the 1F1B schedule. Each distinct layout is tried once (a batch smaller
+than dp x b gives the same layout for several b) and is either ranked (it fits) or refused with its
+reason: a size that does not divide (step.layout_errors) or memory beyond the GPU's. The ranking is
+by step time, the same as by MFU for one batch: hardware TFLOP/s would rank full recomputation up
+for the forward it runs twice.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ def _divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def candidates(m: ModelShape, gpus: int, batch_size: int, mach: Machine, precision: str = "bf16"):
-    """Every layout the search considers (some do not divide: their errors say why)."""
+def candidates(m: ModelShape, gpus: int, batch_size: int, mach: Machine, precision: str = "bf16",
+               overlap: tuple[str, ...] = ()):
+    """Every distinct layout the search considers (some do not divide: their errors say why)."""
+    seen = set()
     for tp in _divisors(min(gpus, mach.gpus_per_node)):
         for pp in _divisors(gpus // tp) if gpus % tp == 0 else []:
             dp = gpus // (tp * pp)
@@ -32,15 +37,19 @@ def candidates(m: ModelShape, gpus: int, batch_size: int, mach: Machine, precisi
                 for zero in (0, 1, 2, 3):
                     for recompute in ("none", "selective", "full"):
                         for sp in (False, True) if tp > 1 else (False,):
-                            yield Layout(batch_size, microbatches, dp, tp, pp, zero=zero, recompute=recompute,
-                                         sp=sp, precision=precision)
+                            layout = Layout(batch_size, microbatches, dp, tp, pp, zero=zero,
+                                            recompute=recompute, sp=sp, precision=precision, overlap=overlap)
+                            if layout not in seen:
+                                seen.add(layout)
+                                yield layout
 
 
 def search(m: ModelShape, gpus: int, batch_size: int, mach: Machine, precision: str = "bf16",
-           top: int = 10) -> dict:
-    """{"ranked": the best `top` layouts that fit, "refused": {reason: how many layouts}}."""
+           top: int = 10, overlap: tuple[str, ...] = ()) -> dict:
+    """{"ranked": the `top` fastest layouts that fit, "fitting": how many fit, "refused": {reason: how
+    many layouts}}."""
     ranked, refused = [], Counter()
-    for layout in candidates(m, gpus, batch_size, mach, precision):
+    for layout in candidates(m, gpus, batch_size, mach, precision, overlap):
         errors = layout_errors(m, layout)
         if errors:
             what = "too many to simulate" if "simulator" in errors[0] else "a size does not divide"
@@ -55,5 +64,5 @@ def search(m: ModelShape, gpus: int, batch_size: int, mach: Machine, precision: 
                        "zero": layout.zero, "recompute": layout.recompute, "sp": layout.sp,
                        "tflops_per_gpu": result["tflops_per_gpu"], "mfu": result["mfu"],
                        "step_s": result["step_s"], "memory_gb": result["memory"]["total"] / 1e9})
-    ranked.sort(key=lambda row: (-row["tflops_per_gpu"], row["memory_gb"]))  # ties: the least memory
+    ranked.sort(key=lambda row: (row["step_s"], row["memory_gb"]))  # ties: the least memory
     return {"ranked": ranked[:top], "fitting": len(ranked), "refused": dict(refused)}

@@ -1,19 +1,28 @@
 """One training step's time and memory per GPU, composed from minipar's own formulas.
 
-Compute: model.py's FLOPs over the machine's achieved FLOP/s, split evenly over tensor and pipeline
-ranks (the logits' share too: a modelling choice; Megatron's last stage carries them alone).
+Compute: kernels.py's kernel-time model on a GPU preset (each block's GEMMs in whole waves of tiles up
+to the measured matmul ceiling, elementwise passes at HBM bandwidth) over the machine's one calibrated
+scalar; on a machine without one (a CPU), model.py's FLOPs at one achieved rate. Per stage: its
+blocks; the logits and loss on the last stage alone (Megatron's partition), which, the slowest
+stage, adds M times their seconds to the step (exact for 1F1B).
 Communication: the alpha-beta cost of the ring `Comm` charges (distributed/ledger.py: all-reduce sends
 2(N-1)/N·S per rank in 2(N-1) messages), placed on its link: tensor-parallel groups inside a node
-(NVLink), pipeline and data-parallel groups on InfiniBand once a group spans nodes.
-Overlap rules (stated, not measured): tensor-parallel all-reduces and pipeline sends are not
-overlapped with compute (they sit on the critical path, as in Megatron-LM 2021); the data-parallel
-gradient reduction runs after the pipeline drains, not overlapped; the optimizer step is free.
+(NVLink), pipeline and data-parallel groups on InfiniBand once a group spans nodes; each at the
+bandwidth NCCL achieves (machines.py). A pipeline send carries 1/tp of the activation across and is
+all-gathered over the tp link on arrival (Megatron's scatter/gather).
+Overlap (stated rules, each an option of `Layout.overlap`; none by default, as in Megatron-LM 2021,
+where every byte sits on the critical path): "dp", Megatron-Core's bucketed overlap, the gradient
+reduction under the last micro-batch's backward and ZeRO's parameter all-gather under the first
+forward; "tp", each half all-reduce (all-gather or reduce-scatter) under the GEMM it feeds or
+drains; "pp", the sends under the next micro-batch's compute. Each hides up to its window's seconds;
+the rest stays exposed (`exposed_comm_s`). The optimizer step is free.
 The pipeline: parallel/schedules.py's simulate() with a forward of 1 and a backward of B/F time
 units (B/F rounded to eighths), its makespan scaled by the forward's seconds.
 On a CPU (`Machine.cores`), R ranks on C < R cores compute at C/R of their speed each.
 Memory: model states by the ZeRO planner's rule (memory/planner.py), activations by
 memory/activations.py (one micro-batch's peak with pp = 1, exactly what the ledger measures; with pp >
-1, the first stage's in-flight micro-batches times its blocks).
+1, the first stage's in-flight (micro-batch, chunk) pairs times a chunk's blocks: the interleaved
+schedule's 1 + (K-1)/(VK) times 1F1B's). Lesson: lessons/14_simulate.md.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from fractions import Fraction
 
 from minipar.memory import activations, planner
 from minipar.parallel import schedules
+from minipar.simulate import kernels
 from minipar.simulate.machines import Machine
 from minipar.simulate.model import (
     ModelShape,
@@ -55,6 +65,7 @@ class Layout:
     recompute: str = "none"
     sp: bool = False
     precision: str = "bf16"
+    overlap: tuple[str, ...] = ()  # of "dp", "tp", "pp": what runs under compute (OVERLAPS)
 
     @property
     def gpus(self) -> int:
@@ -65,9 +76,13 @@ class Layout:
         return self.batch_size // (self.dp * self.microbatches)
 
 
+OVERLAPS = ("dp", "tp", "pp")
+
+
 def layout_errors(m: ModelShape, lay: Layout) -> list[str]:
     """Why this layout cannot run this model (divisibility), empty when it can."""
-    errors = []
+    errors = [f"overlap {name!r} is not one of {', '.join(OVERLAPS)}" for name in lay.overlap
+              if name not in OVERLAPS]
     if lay.batch_size % (lay.dp * lay.microbatches):
         errors.append(f"batch {lay.batch_size} is not divisible by dp x microbatches = "
                       f"{lay.dp * lay.microbatches}")
@@ -131,8 +146,10 @@ def activation_memory(m: ModelShape, lay: Layout, inflight: int) -> int:
         return activations.gpt_activation_peak(s, b, h, a, m.n_layer, m.vocab, lay.tp, lay.recompute,
                                                value_bytes, lay.sp)
     block = activations.block_activation_values(s, b, h, a, lay.tp, lay.recompute, lay.sp)
-    first_stage = activations.embedding_values(s, b, h, lay.tp) + m.n_layer // lay.pp * block
-    return inflight * first_stage * value_bytes
+    # `inflight` counts (micro-batch, chunk) pairs: each holds one chunk's blocks, L / (pp x V) (the
+    # embedding's few values, held by chunk 0 alone, counted with each pair: an overcount of sb values)
+    chunk = activations.embedding_values(s, b, h, lay.tp) + m.n_layer // (lay.pp * lay.virtual_stages) * block
+    return inflight * chunk * value_bytes
 
 
 def _pipeline(lay: Layout, forward_s: float, backward_s: float) -> tuple[float, float, list[int]]:
@@ -155,37 +172,108 @@ def _timeline(name: str, stages: int, microbatches: int, virtual_stages: int, ra
     return float(timeline.makespan), bubble, tuple(schedules.peak_inflight(schedule))
 
 
+Seconds = tuple[float, float]  # (forward, backward)
+
+
+def _compute_seconds(m: ModelShape, lay: Layout, mach: Machine) -> tuple[Seconds, Seconds]:
+    """((forward, backward) of one micro-batch through one stage's blocks, (forward, backward) of the
+    logits and loss), recomputation in the backward. With the machine's kernel model (kernels.py):
+    each GEMM and elementwise pass, over the one calibrated scalar. Without (a CPU): FLOPs at one
+    achieved rate, plus a cost per block and pass, ranks beyond the cores time-sharing them."""
+    b, layers_here = lay.microbatch_size, m.n_layer // lay.pp
+    if mach.kernels is not None:
+        value_bytes = PRECISION_BYTES[lay.precision][3]
+        if lay.precision not in kernels.PRECISIONS:
+            raise ValueError(kernels.precision_error(mach.name, lay.precision))
+        block = kernels.block_seconds(mach.kernels, m.seq_len, b, m.d_model, m.n_head, lay.tp, lay.sp,
+                                      lay.recompute, value_bytes)
+        logits = kernels.logit_seconds(mach.kernels, m.seq_len, b, m.d_model, m.vocab, lay.tp, value_bytes)
+        scale = mach.matmul_efficiency
+        return ((layers_here * block[0] / scale, layers_here * block[1] / scale),
+                (logits[0] / scale, logits[1] / scale))
+    # more ranks than cores: each rank computes at cores/ranks of its speed (the OS time-shares them)
+    time_shared = max(1.0, lay.gpus / mach.cores) if mach.cores else 1.0
+    # a fixed cost per block and pass that splitting the matmuls does not divide (0 on a GPU preset)
+    forward = (layers_here * layer_forward_flops(m, b) / lay.tp / mach.achieved_flops
+               + layers_here * mach.block_overhead) * time_shared
+    logits = logit_forward_flops(m, b) / lay.tp / mach.achieved_flops * time_shared
+    # recomputation reruns in backward what model.hardware_flops counts beyond the model's FLOPs
+    recompute = (hardware_flops(m, b, lay.recompute) - model_flops(m, b)) / (lay.tp * lay.pp)
+    return (forward, 2 * forward + recompute / mach.achieved_flops * time_shared), (logits, 2 * logits)
+
+
+def _linear_seconds(m: ModelShape, lay: Layout, mach: Machine) -> list[float]:
+    """Forward seconds of a block's q/k/v, projection, fc and fc2 GEMMs on a tp rank: the windows
+    tensor-parallel communication can hide under."""
+    b, h, t = lay.microbatch_size, m.d_model, lay.tp
+    gemms = [g for g in kernels.block_gemms(m.seq_len, b, h, m.n_head, t) if g[3] == 1]  # not per head
+    if mach.kernels is not None:
+        value_bytes = PRECISION_BYTES[lay.precision][3]
+        return [kernels.gemm_seconds(mach.kernels, *g, value_bytes=value_bytes) / mach.matmul_efficiency
+                for g in gemms]
+    return [2 * mm * n * k / mach.achieved_flops for mm, n, k, _ in gemms]
+
+
+def _dp_exposed(lay: Layout, gradients: float, forward_s: float, backward_s: float) -> float:
+    """What the data-parallel traffic leaves on the critical path when it overlaps (Megatron-Core's
+    bucketed overlap): gradients are final only in the last micro-batch's backward, so their reduction
+    hides under that one backward; ZeRO's parameter all-gather (after the step, stages 1-2; before
+    each use, stage 3) under the first micro-batch's forward. Each part: max(0, its seconds - window)."""
+    if lay.zero == 0:
+        parts = [(gradients, backward_s)]                               # all-reduce
+    elif lay.zero in (1, 2):
+        parts = [(gradients / 2, backward_s), (gradients / 2, forward_s)]  # reduce-scatter, all-gather
+    else:
+        parts = [(gradients, backward_s), (gradients / 2, forward_s)]  # gather + reduce-scatter; gather
+    return sum(max(0.0, seconds - window) for seconds, window in parts)
+
+
 def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     """Predicted step time, throughput, memory per GPU and communication time by dimension."""
     b, s, h = lay.microbatch_size, m.seq_len, m.d_model
     value_bytes = PRECISION_BYTES[lay.precision][3]
     links = _links(lay, mach)
     per_gpu = lay.tp * lay.pp
-    forward_compute = (m.n_layer * layer_forward_flops(m, b) + logit_forward_flops(m, b)) / per_gpu
-    # more ranks than cores: each rank computes at cores/ranks of its speed (the OS time-shares them)
-    time_shared = max(1.0, lay.gpus / mach.cores) if mach.cores else 1.0
-    # a fixed cost per block and pass that splitting the matmuls does not divide (0 on a GPU preset)
-    forward_compute = (forward_compute / mach.achieved_flops + m.n_layer // lay.pp * mach.block_overhead)
-    forward_compute *= time_shared
+    (forward_compute, backward_compute), logits = _compute_seconds(m, lay, mach)
     layers_here = m.n_layer // lay.pp
     # two all-reduces of the s·b·h activations per block and pass (Megatron's f and g); with --sp a
     # reduce-scatter and an all-gather each instead, the same bytes
-    tp_pass = 2 * layers_here * ring_seconds("all_reduce", s * b * h * value_bytes, lay.tp, *links["tp"])
+    all_reduce = ring_seconds("all_reduce", s * b * h * value_bytes, lay.tp, *links["tp"])
+    tp_pass = 2 * layers_here * all_reduce
+    tp_exposed = tp_pass
+    if "tp" in lay.overlap:
+        # Megatron-Core's tp overlap: each half all-reduce (the all-gather before q/k/v and fc, the
+        # reduce-scatter after the projection and fc2) runs under the GEMM it feeds or drains; what
+        # the GEMM is too short to hide stays on the critical path
+        windows = _linear_seconds(m, lay, mach)
+        tp_exposed = layers_here * sum(max(0.0, all_reduce / 2 - gemm) for gemm in windows)
     p2p = 0.0
     if lay.pp > 1:
+        # Megatron's scatter/gather: each tp rank sends its 1/tp of the activation across, and the
+        # receiving stage all-gathers the pieces over its tp link
         bandwidth, latency = links["pp"]
-        p2p = lay.virtual_stages * (latency + s * b * h * value_bytes / bandwidth)
-    # recomputation reruns in backward what model.hardware_flops counts beyond the model's FLOPs
-    recompute_s = (hardware_flops(m, b, lay.recompute) - model_flops(m, b)) / per_gpu / mach.achieved_flops
-    recompute_s *= time_shared
+        activation = s * b * h * value_bytes
+        p2p = lay.virtual_stages * (latency + activation / lay.tp / bandwidth
+                                    + ring_seconds("all_gather", activation, lay.tp, *links["tp"]))
+    p2p_exposed = 0.0 if "pp" in lay.overlap else p2p  # sent while the next micro-batch computes
     recompute_passes = 1 if lay.recompute == "full" else 0  # only a whole block's rerun all-reduces again
-    forward_s = forward_compute + tp_pass + p2p
-    backward_s = 2 * forward_compute + recompute_s + (1 + recompute_passes) * tp_pass + p2p
+    forward_s = forward_compute + tp_exposed + p2p_exposed
+    backward_s = backward_compute + (1 + recompute_passes) * tp_exposed + p2p_exposed
+    if lay.pp == 1:
+        forward_s, backward_s = forward_s + logits[0], backward_s + logits[1]
     pipeline_s, bubble, inflight = _pipeline(lay, forward_s, backward_s)
+    # the logits sit on the last stage alone: the slowest stage, busy for every micro-batch, so the
+    # step grows by M times their seconds (exact for 1F1B, whose last stage never waits once it is
+    # the slowest; an approximation for the other schedules)
+    if lay.pp > 1:
+        pipeline_s += lay.microbatches * (logits[0] + logits[1])
     grad_bytes = Fraction(parameter_count(m), per_gpu) * PRECISION_BYTES[lay.precision][1]
-    dp_factor = 1.5 if lay.zero == 3 else 1.0  # ZeRO-3 gathers parameters again in backward
-    dp_s = dp_factor * ring_seconds("all_reduce", float(grad_bytes), lay.dp, *links["dp"])
-    step_s = pipeline_s + dp_s
+    gradients = ring_seconds("all_reduce", float(grad_bytes), lay.dp, *links["dp"])
+    dp_s = (1.5 if lay.zero == 3 else 1.0) * gradients  # ZeRO-3 gathers parameters again in backward
+    dp_exposed = dp_s
+    if "dp" in lay.overlap:
+        dp_exposed = _dp_exposed(lay, gradients, forward_compute, backward_compute)
+    step_s = pipeline_s + dp_exposed
     gpus = lay.gpus
     memory = model_state_memory(m, lay)
     memory["activations"] = activation_memory(m, lay, inflight[0])
@@ -199,6 +287,8 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
         "memory": {**memory, "capacity": mach.memory_bytes, "fits": memory["total"] <= mach.memory_bytes},
         "comm_s": {"tp": lay.microbatches * (2 + recompute_passes) * tp_pass,
                    "pp": lay.microbatches * 2 * p2p, "dp": dp_s},
-        "compute_s": lay.microbatches * (3 * forward_compute + recompute_s),
+        "exposed_comm_s": {"tp": lay.microbatches * (2 + recompute_passes) * tp_exposed,
+                           "pp": lay.microbatches * 2 * p2p_exposed, "dp": dp_exposed},
+        "compute_s": lay.microbatches * (forward_compute + backward_compute + logits[0] + logits[1]),
         "bubble_fraction": bubble,
     }

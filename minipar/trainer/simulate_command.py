@@ -2,7 +2,9 @@
 
 The cost model is minipar/simulate/ (this file parses the options, checks them in one line with exit
 code 2, and prints a table or JSON). `--preset NAME` takes a published run's model and layout
-(minipar/simulate/presets.py); any model or layout flag given as well overrides it. `--table1`
+(minipar/simulate/presets.py), its precision included; without a preset `--precision` is required
+(a silent default would be 2x off for half the runs compared). Any model or layout flag given as well
+overrides the preset. `--table1`
 prints Narayanan et al.'s Table 1, published against predicted. Lesson: lessons/14_simulate.md.
 """
 
@@ -14,10 +16,10 @@ import math
 from dataclasses import replace
 
 from minipar.parallel import schedules
-from minipar.simulate import presets, search
+from minipar.simulate import kernels, presets, search
 from minipar.simulate.machines import GPUS, machine
 from minipar.simulate.model import ModelShape
-from minipar.simulate.step import PRECISION_BYTES, Layout, layout_errors, simulate_step
+from minipar.simulate.step import OVERLAPS, PRECISION_BYTES, Layout, layout_errors, simulate_step
 from minipar.trainer.arguments import OneLineParser
 
 MODEL_FLAGS = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32, "vocab": 27}
@@ -35,13 +37,16 @@ def _parser() -> OneLineParser:
     parser.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     parser.add_argument("--sp", action="store_true", default=None)
     parser.add_argument("--precision", choices=list(PRECISION_BYTES), default=None)
+    parser.add_argument("--overlap", nargs="+", choices=OVERLAPS, default=None,
+                        help="communication that runs under compute: dp (bucketed gradient reduction and "
+                             "ZeRO's gathers), tp (collectives under their GEMMs), pp (sends); default none")
     parser.add_argument("--gpu", choices=list(GPUS), default="a100-80gb")
     parser.add_argument("--gpus-per-node", type=int, default=None)
     for link in ("intra", "inter"):
         parser.add_argument(f"--{link}-bandwidth", type=float, default=None, help="GB/s each way per GPU")
         parser.add_argument(f"--{link}-latency", type=float, default=None, help="microseconds per message")
     parser.add_argument("--search", action="store_true",
-                        help="rank every layout on --gpus GPUs by predicted throughput")
+                        help="rank every layout on --gpus GPUs by predicted step time")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for --search")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
@@ -72,14 +77,19 @@ def _run_of(parser, args) -> tuple[ModelShape, Layout]:
     if args.preset:
         shape, layout, _ = presets.preset(args.preset)
     else:
-        shape, layout = ModelShape(**MODEL_FLAGS), Layout(LAYOUT_FLAGS["batch_size"], precision="fp32")
+        shape, layout = ModelShape(**MODEL_FLAGS), Layout(LAYOUT_FLAGS["batch_size"])
     shape = replace(shape, **{k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
     given = {k: getattr(args, k) for k in list(LAYOUT_FLAGS) + ["schedule", "zero", "recompute", "sp",
                                                                  "precision"] if getattr(args, k) is not None}
+    if args.overlap is not None:
+        given["overlap"] = tuple(sorted(set(args.overlap)))
     layout = replace(layout, **given)
     errors = layout_errors(shape, layout)
     if errors:
         parser.error(errors[0])
+    if not args.preset and args.precision is None:
+        # bytes per value, kernel traffic and memory all scale with it: no silent default
+        parser.error("--precision is required without --preset (fp32, bf16, fp16 or fp64)")
     return shape, layout
 
 
@@ -133,6 +143,9 @@ def _print_result(shape, layout, result) -> None:
     print(f"step: {result['step_s']:.4g} s, {result['tflops_per_gpu']:.1f} TFLOP/s per GPU, "
           f"MFU {result['mfu']:.1%}, bubble {result['bubble_fraction']:.3f}")
     comm = ", ".join(f"{dim} {seconds:.3g} s" for dim, seconds in result["comm_s"].items())
+    if layout.overlap:
+        exposed = ", ".join(f"{dim} {seconds:.3g} s" for dim, seconds in result["exposed_comm_s"].items())
+        comm += f" (overlapped: {' '.join(layout.overlap)}; exposed: {exposed})"
     print(f"compute {result['compute_s']:.4g} s; communication: {comm}")
     mem = result["memory"]
     parts = ", ".join(f"{k} {mem[k] / 2**30:.2f}" for k in ("params", "grads", "optimizer", "activations"))
@@ -158,10 +171,13 @@ def simulate_main(argv: list[str]) -> int:
         if args.gpus is not None and args.gpus > MAX_GPUS:
             parser.error(f"--gpus {args.gpus:,} is more than the {MAX_GPUS:,} a search takes")
         shape, layout = _run_of(parser, args) if not args.search else _search_run_of(parser, args)
+        if mach.kernels is not None and layout.precision not in kernels.PRECISIONS:
+            parser.error(kernels.precision_error(mach.name, layout.precision))
     except SystemExit as exit_request:
         return int(exit_request.code or 0)
     if args.search:
-        _print_search(search.search(shape, args.gpus, layout.batch_size, mach, layout.precision), args.json)
+        _print_search(search.search(shape, args.gpus, layout.batch_size, mach, layout.precision,
+                                    overlap=layout.overlap), args.json)
         return 0
     result = simulate_step(shape, layout, mach)
     if args.json:

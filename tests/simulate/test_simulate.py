@@ -1,6 +1,7 @@
 """The cost model of minipar/simulate/: each formula against one derived by hand, its memory against a
 real run's ledger, its pipeline against the bubble formula, and Megatron-LM's Table 1. Serial (1 rank)."""
 
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -18,6 +19,9 @@ from minipar.trainer.simulate_command import simulate_main
 from minipar.trainer.tasks import ALPHABET
 
 GPT3 = ModelShape(96, 12288, 96, 2048, 51200)
+# FLOPs at one rate (no kernel model) and free links: the backward is exactly 2 forwards, so the
+# schedule's makespan in forwards can be written by hand
+QUIET = replace(GPUS["a100-80gb"], kernels=None, intra_latency=0.0, intra_bandwidth=float("inf"))
 
 
 @pytest.mark.parametrize("shape", [GPT3, ModelShape(4, 64, 4, 32, 27), ModelShape(3, 10, 2, 7, 5)])
@@ -47,9 +51,7 @@ def test_pipeline_bubble_is_the_1f1b_formula(stages, microbatches):
     # with no communication the backward is exactly 2 forwards: 1F1B's bubble is (K-1)/(M+K-1)
     shape = ModelShape(stages * 2, 64, 4, 32, 27)
     layout = Layout(microbatches, microbatches=microbatches, pp=stages)
-    quiet = GPUS["a100-80gb"].__class__(**{**GPUS["a100-80gb"].__dict__, "intra_latency": 0.0,
-                                           "intra_bandwidth": float("inf")})
-    result = simulate_step(shape, layout, quiet)
+    result = simulate_step(shape, layout, QUIET)
     assert result["bubble_fraction"] == pytest.approx((stages - 1) / (microbatches + stages - 1), rel=1e-12)
 
 
@@ -61,11 +63,9 @@ def test_zb_h1_step_is_its_schedules_makespan_with_the_backward_split_in_halves(
     1F1B's 3(M + K - 1). The ratio of the two step times is independent of the forward's seconds;
     a backward counted 1.5 times (B or W a whole backward) moves it. Bubble: (K-1)/(3M+K-1)."""
     K, M = stages, microbatches
-    shape = ModelShape(stages * 2, 64, 4, 32, 27)
-    quiet = GPUS["a100-80gb"].__class__(**{**GPUS["a100-80gb"].__dict__, "intra_latency": 0.0,
-                                           "intra_bandwidth": float("inf")})
-    zb = simulate_step(shape, Layout(M, microbatches=M, pp=K, schedule="zb-h1"), quiet)
-    one_f_one_b = simulate_step(shape, Layout(M, microbatches=M, pp=K, schedule="1f1b"), quiet)
+    shape = ModelShape(stages * 2, 64, 4, 32, 0)  # no logits: the last stage is like the others
+    zb = simulate_step(shape, Layout(M, microbatches=M, pp=K, schedule="zb-h1"), QUIET)
+    one_f_one_b = simulate_step(shape, Layout(M, microbatches=M, pp=K, schedule="1f1b"), QUIET)
     expected = Fraction(3 * M + K - 1, 3 * (M + K - 1))
     assert zb["step_s"] / one_f_one_b["step_s"] == pytest.approx(float(expected), rel=1e-12)
     assert zb["bubble_fraction"] == pytest.approx((K - 1) / (3 * M + K - 1), rel=1e-12)
@@ -87,6 +87,20 @@ def test_table1_first_row_is_the_calibration_and_the_rest_within_30_percent():
     rows = presets.table1()
     assert rows[0]["predicted"] == pytest.approx(rows[0]["published"], rel=1e-3)
     assert len(rows) == 10 and all(abs(r["error"]) < 0.30 for r in rows)
+
+
+def test_precision_is_required_without_a_preset(capsys):
+    # no silent fp32: a bf16 run compared with an fp32 prediction is 2x off in every byte
+    assert simulate_main([]) == 2
+    assert capsys.readouterr().err == ("minipar simulate: error: --precision is required without --preset "
+                                       "(fp32, bf16, fp16 or fp64)\n")
+    assert simulate_main(["--precision", "bf16", "--json"]) == 0
+    assert simulate_main(["--preset", "megatron-1.7b", "--json"]) == 0
+    capsys.readouterr()
+    # and a GPU's kernel model, measured for 16-bit matmuls, refuses to time fp32 at bf16's rate
+    assert simulate_main(["--precision", "fp32"]) == 2
+    assert capsys.readouterr().err == ("minipar simulate: error: --precision fp32 on a100-80gb: its kernel "
+                                       "model has measured bf16/fp16 matmul rates only (use bf16 or fp16)\n")
 
 
 def test_bad_input_is_one_line_and_exit_code_2(capsys):
@@ -111,8 +125,6 @@ def test_model_states_are_the_zero_papers_partitions(zero, expected):
 
 
 def test_search_ranks_what_fits_and_says_why_the_rest_do_not():
-    from dataclasses import replace
-
     from minipar.simulate.search import candidates, search
     shape = ModelShape(4, 64, 4, 32, 27)
     # 2 MB: the model states of ZeRO 0 on one GPU (4 x 205,568 params x 16 bytes / 4) do not fit
@@ -121,8 +133,32 @@ def test_search_ranks_what_fits_and_says_why_the_rest_do_not():
     considered = len(list(candidates(shape, 4, 16, small)))
     assert found["fitting"] + sum(found["refused"].values()) == considered
     assert found["refused"]["memory beyond the GPU's"] > 0
-    speeds = [row["tflops_per_gpu"] for row in found["ranked"]]
-    assert speeds == sorted(speeds, reverse=True) and all(row["memory_gb"] <= 2e-3 for row in found["ranked"])
+    steps = [row["step_s"] for row in found["ranked"]]
+    assert steps == sorted(steps) and all(row["memory_gb"] <= 2e-3 for row in found["ranked"])
+
+
+def test_search_tries_each_layout_once():
+    """One GPU and a batch of 7: b = 1, 2, 4, 8 give 7, 3, 1 and 1 micro-batches, so b = 4 and b = 8 are
+    both the one micro-batch of 7 sequences: 3 distinct layouts (3 micro-batches does not divide 7 and
+    is refused) for each of 4 ZeRO stages and 3 recomputations, 36, not 48; and fitting plus refused
+    counts each once."""
+    from minipar.simulate.search import candidates, search
+    shape = ModelShape(4, 64, 4, 32, 27)
+    layouts = list(candidates(shape, 1, 7, GPUS["a100-80gb"]))
+    assert len(layouts) == 3 * 4 * 3 == len(set(layouts))
+    found = search(shape, 1, 7, GPUS["a100-80gb"], top=1000)
+    assert found["fitting"] + sum(found["refused"].values()) == 36 and found["fitting"] == 24
+
+
+def test_search_ranks_by_step_time_not_by_the_work_recomputation_adds():
+    """A 7.5B-like model on 8 A100-40GB: full recomputation fits bigger micro-batches and counts its
+    forward twice, so its hardware TFLOP/s top the list, yet a layout that keeps its activations
+    finishes the same batch sooner: the search ranks that one first."""
+    from minipar.simulate.search import search
+    found = search(ModelShape(24, 4096, 32, 2048, 51200), 8, 64, GPUS["a100-40gb"], top=1000)
+    best, busiest = found["ranked"][0], max(found["ranked"], key=lambda row: row["tflops_per_gpu"])
+    assert busiest["recompute"] == "full" and best["recompute"] != "full"
+    assert best["step_s"] == min(row["step_s"] for row in found["ranked"]) < busiest["step_s"]
 
 
 def test_zero3_falls_behind_3d_parallelism_as_the_paper_found():
@@ -179,4 +215,4 @@ def test_search_on_ten_million_gpus_answers():
     from minipar.simulate.search import _divisors
     assert _divisors(9699690) == [d for d in range(1, 9699691) if 9699690 % d == 0]
     assert _divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36] and _divisors(1) == [1]
-    assert simulate_main(["--search", "--gpus", "9699690", "--json"]) == 0
+    assert simulate_main(["--search", "--gpus", "9699690", "--precision", "bf16", "--json"]) == 0
