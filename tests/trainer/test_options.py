@@ -72,7 +72,8 @@ def test_every_config_errors_takes_an_options_object_first():
     (lambda: experts.config_errors(experts.ExpertOptions(ep=2), DataParallelOptions(dp=2),
                                    MoEOptions(n_experts=3), MOE),
      "--n-experts 3 is not divisible by --ep 2"),
-    (lambda: moe.config_errors(MoEOptions(n_experts=2, top_k=3)), "--top-k must be between 1 and --n-experts 2"),
+    (lambda: moe.config_errors(MoEOptions(n_experts=2, top_k=3)),
+     "--top-k must be between 1 and --n-experts 2"),
     (lambda: recompute.config_errors(recompute.RecomputeOptions(recompute="selective"), "mlp"),
      "--recompute selective needs --model gpt"),
     (lambda: zero_chunked.config_errors(zero_chunked.ChunkedOptions(offload="cpu")),
@@ -93,7 +94,8 @@ def test_good_options_pass_their_techniques_checks():
     assert context.config_errors(context.ContextOptions(cp=2), GPT) == []
     assert pipeline.config_errors(pipeline.PipelineOptions(pp=2, schedule="interleaved", virtual_stages=3,
                                                            microbatches=4), GPT) == []
-    assert experts.config_errors(experts.ExpertOptions(ep=2), DataParallelOptions(dp=4), MoEOptions(), MOE) == []
+    ep = experts.ExpertOptions(ep=2)
+    assert experts.config_errors(ep, DataParallelOptions(dp=4), MoEOptions(), MOE) == []
     assert moe.config_errors(MoEOptions()) == []
     assert zero_chunked.config_errors(zero_chunked.ChunkedOptions(offload="disk", device_mem_mb=1.0)) == []
     assert clipping.config_errors(clipping.ClippingOptions(clip_grad_norm=1.0)) == []
