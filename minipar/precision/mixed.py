@@ -12,6 +12,9 @@ The idea (Micikevicius et al., "Mixed Precision Training", 2018), as three piece
   gradients are divided by it, every rank learns whether any rank saw an inf or NaN, and on overflow
   the step is skipped and the scale halved (`precision.DynamicLossScaler`).
 - `gradient_all_reduce` lets DDP send gradients in the 16-bit format over a ring (summing in fp32).
+- `parameter_wire` gives ZeRO-3 and chunked ZeRO-3 (which hold no whole parameters to round) the
+  16-bit format of the working copy: each rank rounds its fp32 master shard and the 2-byte patterns
+  are all-gathered, so the gathered unit is the working copy (zero3.py, zero_chunked.py).
 
 What it saves: half the bytes of every value computed in 16 bits (activations, the working weights,
 the gradient all-reduce) and, on hardware, 16-bit matrix units. Here NumPy holds the 16-bit values in
@@ -109,6 +112,19 @@ def low_precision_wire(fmt: str) -> Wire:
     return Wire(encode=partial(pack_low, fmt=fmt), decode=partial(unpack_low, fmt=fmt))
 
 
+def parameter_wire(precision: str) -> Wire | None:
+    """For ZeRO-3 and chunked ZeRO-3 in bf16 or fp16: a shard of fp32 masters to the 2-byte patterns
+    of its working copy (gathered at half of fp32's bytes) and back; None for fp64 and fp32."""
+    return low_precision_wire(precision) if precision in LOW_PRECISIONS else None
+
+
+def gathers_working_copy(cfg) -> bool:
+    """ZeRO-3 and chunked ZeRO-3 hold no whole parameters between units: the updater gathers the
+    working copy (`parameter_wire`), and the runner leaves the parameters alone."""
+    chunked = cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None
+    return cfg.zero == 3 or chunked
+
+
 def gradient_all_reduce(precision: str, comm):
     """DDP's gradient sum for this precision: a ring on the 16-bit wire, or None (Comm's own)."""
     if precision not in LOW_PRECISIONS:
@@ -148,28 +164,27 @@ def wrap_runner(cfg, model, runner, updater: Updater):
     """The runner for `cfg.precision`: itself for fp64/fp32, a MixedPrecisionRunner for bf16/fp16.
 
     The updater's loss scaling (attach_loss_scaling) tells the runner which scale to multiply the
-    loss by.
+    loss by. With ZeRO-3 or chunked offload the runner rounds no weights: the gathered units are the
+    working copy already (`parameter_wire`); it still rounds every op's output.
     """
     fmt = Precision.from_name(cfg.precision)
     if fmt.round is None:
         return runner
-    return MixedPrecisionRunner(runner, model.parameters(), fmt.round, loss_scaling_of(updater))
+    params = [] if gathers_working_copy(cfg) else model.parameters()
+    return MixedPrecisionRunner(runner, params, fmt.round, loss_scaling_of(updater))
 
 
 # ---- what `minipar train --precision bf16 | fp16` composes with (trainer/validate.py gathers it) ----
 
 
 def config_errors(cfg) -> list[str]:
-    """16-bit emulation runs in NumPy, over fp32 parameters that stay whole between steps."""
+    """16-bit emulation runs in NumPy."""
     if cfg.precision not in LOW_PRECISIONS:
         return []
     errors = []
     if cfg.backend != "numpy":
         errors.append(f"--precision {cfg.precision} emulates the 16-bit format in NumPy: use --backend numpy")
-    chunked = cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None
-    if cfg.zero == 3 or chunked:
-        errors.append(f"--precision {cfg.precision} does not support --zero 3 or chunked offload: they "
-                      "gather the fp32 parameters during forward, after the 16-bit working copy is made")
-    # fp16 with ZeRO 1 and 2: the loss scaling acts at the gradients-ready point, after the
-    # reduce-scatter and before any shard is updated, so every rank agrees on an overflow first
+    # fp16 with ZeRO: the loss scaling acts at the gradients-ready point, after the reduce-scatter
+    # and before any shard is updated, so every rank agrees on an overflow first; ZeRO-3 and chunked
+    # offload gather the 16-bit working copy (parameter_wire)
     return errors
