@@ -37,6 +37,8 @@ from minipar.simulate.model import (
 
 # bytes per parameter, gradient, optimizer state (K) and activation value. Mixed precision as the
 # ZeRO paper counts it: 2-byte weights and gradients, 12 bytes of fp32 master copy and Adam moments.
+# ZeRO-3 in bf16 gathers the 2-byte weights, as `minipar train` does (parallel/zero3.py); minipar's
+# own gradients stay fp32 (g = 4, reduce-scattered in fp32), where the paper's recipe sends 2 bytes.
 PRECISION_BYTES = {"fp64": (8, 8, 16, 8), "fp32": (4, 4, 8, 4), "bf16": (2, 2, 12, 2), "fp16": (2, 2, 12, 2)}
 
 
@@ -155,6 +157,17 @@ def _timeline(name: str, stages: int, microbatches: int, virtual_stages: int, ra
     return float(timeline.makespan), bubble, tuple(schedules.peak_inflight(schedule))
 
 
+def data_parallel_seconds(m: ModelShape, lay: Layout, bandwidth: float, latency: float) -> float:
+    """The gradients' all-reduce over dp; ZeRO-3 instead gathers the p-byte parameters twice (forward
+    and backward) and reduce-scatters the g-byte gradients: 1.5x the all-reduce when p = g."""
+    p, g, _, _ = PRECISION_BYTES[lay.precision]
+    values = Fraction(parameter_count(m), lay.tp * lay.pp)
+    if lay.zero == 3:
+        return (2 * ring_seconds("all_gather", float(values * p), lay.dp, bandwidth, latency)
+                + ring_seconds("reduce_scatter", float(values * g), lay.dp, bandwidth, latency))
+    return ring_seconds("all_reduce", float(values * g), lay.dp, bandwidth, latency)
+
+
 def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     """Predicted step time, throughput, memory per GPU and communication time by dimension."""
     b, s, h = lay.microbatch_size, m.seq_len, m.d_model
@@ -182,9 +195,7 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     forward_s = forward_compute + tp_pass + p2p
     backward_s = 2 * forward_compute + recompute_s + (1 + recompute_passes) * tp_pass + p2p
     pipeline_s, bubble, inflight = _pipeline(lay, forward_s, backward_s)
-    grad_bytes = Fraction(parameter_count(m), per_gpu) * PRECISION_BYTES[lay.precision][1]
-    dp_factor = 1.5 if lay.zero == 3 else 1.0  # ZeRO-3 gathers parameters again in backward
-    dp_s = dp_factor * ring_seconds("all_reduce", float(grad_bytes), lay.dp, *links["dp"])
+    dp_s = data_parallel_seconds(m, lay, *links["dp"])
     step_s = pipeline_s + dp_s
     gpus = lay.gpus
     memory = model_state_memory(m, lay)
