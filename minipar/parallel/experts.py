@@ -230,6 +230,7 @@ class ExpertParallelZero(Updater):
         self.parts = [make(ModelPart(model, lambda n: not is_expert(n)), optimizer_of([]), dp),
                       make(ModelPart(model, is_expert), optimizer_of([]), groups.edp)]
         self.optimizer = self.parts[0].optimizer
+        self.gathers_parameters = stage == 3
 
     def synchronize_gradients(self) -> None:
         for part in self.parts:

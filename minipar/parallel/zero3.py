@@ -48,6 +48,8 @@ from minipar.parallel.zero import ZeroStage2
 class ZeroStage3(ZeroStage2):
     """Updater and model wrapper: parameters, gradients and optimizer states all partitioned."""
 
+    gathers_parameters = True
+
     def __init__(self, model, optimizer, comm, prefetch: bool = False, working: Wire | None = None):
         """working: how a shard becomes the 16-bit working copy that is gathered (encode, to 2-byte
         patterns) and back (decode); None: the parameters themselves are gathered."""

@@ -53,6 +53,8 @@ S = TensorState
 class ChunkedZero3(Updater):
     """Updater and model wrapper: ZeRO-3 whose unit of communication and of offload is the chunk."""
 
+    gathers_parameters = True
+
     def __init__(self, model, optimizer, comm, chunk_numel: int, budget_bytes: float | str | None = None,
                  offload: str = "none", eviction: str = "opt", traced: bool = True, least_bytes: int = 0,
                  disk_folder: str | None = None, working: Wire | None = None):

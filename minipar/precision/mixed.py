@@ -118,13 +118,6 @@ def parameter_wire(precision: str) -> Wire | None:
     return low_precision_wire(precision) if precision in LOW_PRECISIONS else None
 
 
-def gathers_working_copy(cfg) -> bool:
-    """ZeRO-3 and chunked ZeRO-3 hold no whole parameters between units: the updater gathers the
-    working copy (`parameter_wire`), and the runner leaves the parameters alone."""
-    chunked = cfg.offload != "none" or cfg.chunk_mb is not None or cfg.device_mem_mb is not None
-    return cfg.zero == 3 or chunked
-
-
 def gradient_all_reduce(precision: str, comm):
     """DDP's gradient sum for this precision: a ring on the 16-bit wire, or None (Comm's own)."""
     if precision not in LOW_PRECISIONS:
@@ -170,7 +163,7 @@ def wrap_runner(cfg, model, runner, updater: Updater):
     fmt = Precision.from_name(cfg.precision)
     if fmt.round is None:
         return runner
-    params = [] if gathers_working_copy(cfg) else model.parameters()
+    params = [] if updater.gathers_parameters else model.parameters()
     return MixedPrecisionRunner(runner, params, fmt.round, loss_scaling_of(updater))
 
 
