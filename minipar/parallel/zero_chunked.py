@@ -102,7 +102,6 @@ class ChunkedZero3(Updater):
         self.hooks: list[RemovableHandle] = []
         for i, unit in enumerate(self.units):
             self.hook_unit(i, unit)
-        self.state_keys = ["param", "grad", *self.state_names] + ([] if working is None else ["working"])
         # their handles: `.remove()` stops them
         self.relief, self.buffer_relief = (relieve_when_others_grow(self.store, meter)
                                            for meter in (autograd.activation_meter, buffer_meter))
@@ -229,14 +228,16 @@ class ChunkedZero3(Updater):
     def apply_optimizer(self):
         """Each rank updates its shard of every chunk where the chunk's block is brought to."""
         for i, scalars in enumerate(self.scalars):
-            with self.store.use(*[(i, key) for key in self.state_keys]) as (param, grad, *arrays):
+            keys = [(i, "param"), (i, "grad")] + [(i, name) for name in self.state_names]
+            with self.store.use(*keys) as (param, grad, *arrays):
                 state = {**scalars, **dict(zip(self.state_names, arrays))}
                 with autograd.no_grad():
                     self.optimizer.update(param, grad, state)
                 self.scalars[i] = {k: v for k, v in state.items() if k not in self.state_names}
                 grad[...] = 0  # for the next step, while the block is here
-                if self.working is not None:  # the working copy's shard: the new master, rounded
-                    arrays[-1][...] = self.working.encode(param)
+            if self.working is not None:  # apart, so that the step's blocks are not all in use with it
+                with self.store.use((i, "param"), (i, "working")) as (param, working):
+                    working[...] = self.working.encode(param)  # the new master, rounded
         self.gradients_zeroed = True
 
     def release_gradients(self):
@@ -337,7 +338,8 @@ def device_bytes_needed(model, chunk_numel: int, parts: int, rows: int, offload:
     gathered, with one block or the unit's gradients (while they are copied in); or, for the step,
     the `rows` blocks (parameters, gradients, optimizer states) of one chunk; without offload, every
     block of every chunk besides. `working_itemsize` (2 in bf16 and fp16): a gathered chunk and its
-    block are the working copy's, and each chunk has that block besides the `rows`."""
+    block are the working copy's, and each chunk has that block besides the `rows` (written after the
+    step, beside the master alone)."""
     units = [unit.parameters() for _, unit in model.units()]
     chunks = pack_in_chunks([(f"{u}.{j}", p, u) for u, params in enumerate(units)
                              for j, p in enumerate(params)], chunk_numel)
@@ -348,8 +350,9 @@ def device_bytes_needed(model, chunk_numel: int, parts: int, rows: int, offload:
     row_bytes = rows * itemsize + (working_itemsize or 0)  # one shard element of every block of a chunk
     if offload == "none":
         return len(chunks) * row_bytes * shard + (spanned * chunk_numel + largest_unit) * gathered
+    step_bytes = max(rows * itemsize, itemsize + (working_itemsize or 0))  # blocks in use at once
     return max(spanned * chunk_numel * gathered + max(shard * gathered, largest_unit * itemsize),
-               row_bytes * shard)
+               step_bytes * shard)
 
 
 def config_errors(cfg) -> list[str]:
