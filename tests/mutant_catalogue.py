@@ -95,7 +95,7 @@ MUTANTS = [
            'held["optimizer"] += sum(u.param_shard.nbytes', 'held["params"] += sum(u.param_shard.nbytes',
            tests=(WORKING_COPY_TESTS,), ranks=(2,)),
     Mutant("chunked-working-block-not-rewritten", "minipar/parallel/zero_chunked.py",
-           "arrays[-1][...] = self.working.encode(param)", "pass", tests=(WORKING_COPY_TESTS,)),
+           "working[...] = self.working.encode(param)", "pass", tests=(WORKING_COPY_TESTS,)),
     Mutant("chunked-gradients-do-not-widen-the-chunk", "minipar/parallel/zero_chunked.py",
            "        for chunk in self.chunks_of(i):\n            self.widen(chunk)\n", "",
            tests=(WORKING_COPY_TESTS,)),
