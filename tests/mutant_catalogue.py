@@ -28,6 +28,7 @@ class Mutant:
     equivalent: str = ""
 
 
+WORKING_COPY_TESTS = "tests/precision/test_zero3_working_copy.py"
 COMM_TESTS = ("tests/distributed/test_comm.py", "tests/distributed/test_collectives.py")
 
 MUTANTS = [
@@ -259,4 +260,22 @@ MUTANTS = [
     Mutant("fusion-reduction-materialised-only-at-the-end", "minipar/fusion/fuse.py",
            "n.is_leaf or n.is_reduction or n in outputs or consumers[n] > 1)}",
            "n.is_leaf or n in outputs or consumers[n] > 1 or n.is_reduction and n is order[-1])}"),
+    # ---- issue 38: the 16-bit working copy gathered by ZeRO-3 and chunked ZeRO-3 ----
+    Mutant("zero3-working-copy-not-rounded-after-update", "minipar/parallel/zero3.py",
+           "            self.update(unit, unit.grad_shard)\n            self.round_shard(unit)",
+           "            self.update(unit, unit.grad_shard)", tests=(WORKING_COPY_TESTS,), ranks=(2,)),
+    Mutant("zero3-16-bit-gathers-fp32", "minipar/trainer/build.py",
+           "working=mixed_precision.parameter_wire(cfg.precision))  # 16-bit copy", "working=None)",
+           tests=(WORKING_COPY_TESTS,), ranks=(2,)),
+    Mutant("zero3-master-counted-as-params", "minipar/parallel/zero3.py",
+           'held["optimizer"] += sum(u.param_shard.nbytes', 'held["params"] += sum(u.param_shard.nbytes',
+           tests=(WORKING_COPY_TESTS,), ranks=(2,)),
+    Mutant("chunked-working-block-not-rewritten", "minipar/parallel/zero_chunked.py",
+           "working[...] = self.working.encode(param)", "pass", tests=(WORKING_COPY_TESTS,)),
+    Mutant("chunked-gradients-do-not-widen-the-chunk", "minipar/parallel/zero_chunked.py",
+           "        for chunk in self.chunks_of(i):\n            self.widen(chunk)\n", "",
+           tests=(WORKING_COPY_TESTS,)),
+    Mutant("chunked-gathered-chunk-counted-at-fp32", "minipar/parallel/zero_chunked.py",
+           "self.held[chunk.index] = chunk.numel * shard.itemsize", "self.held[chunk.index] = chunk.nbytes",
+           tests=(WORKING_COPY_TESTS,)),
 ]

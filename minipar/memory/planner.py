@@ -10,7 +10,10 @@ parameter, g bytes per gradient and K bytes of optimizer state per parameter, on
 
 (Rajbhandari et al., "ZeRO", 2020, section 5). The paper's mixed-precision Adam has p = g = 2 (fp16)
 and K = 12 (fp32 master weights, momentum and variance): 16Ψ bytes without ZeRO. minipar in fp64 has
-p = g = 8 and Adam's two fp64 moments K = 16, with no master copy.
+p = g = 8 and Adam's two fp64 moments K = 16, with no master copy. In bf16 or fp16 minipar keeps its
+gradients in fp32: at stages 0-2 the parameters it holds are the fp32 masters (p = g = 4, K = 8; the
+working copy is a temporary buffer), at stage 3 they are the 16-bit shards that are gathered, beside
+the fp32 master shards (p = 2, g = 4, K = 4 + 8: parallel/zero3.py).
 
 What it saves: stage 3 divides model states by N. What it costs: stages 1 and 2 send what DP's
 all-reduce sends (a reduce-scatter plus an all-gather); stage 3 sends 1.5x that, gathering parameters

@@ -132,6 +132,9 @@ class Updater(Protocol):
     optimizer: Optimizer  # for the parameters this rank updates
     gradient_transforms: HookList  # what runs at the gradients-ready point, in order
     transforms_run: list  # those that ran in the last step (up to one that skipped it)
+    # ZeRO-3 and chunked ZeRO-3: a unit's parameters are whole only while it runs, gathered by the
+    # updater's hooks (in bf16 and fp16 the gathered units are the 16-bit working copy: zero3.py)
+    gathers_parameters: bool = False
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer

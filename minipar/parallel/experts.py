@@ -32,6 +32,7 @@ from minipar.core.module import Module, ModuleList
 from minipar.core.moe import IndexAdd, MoEConfig, MoEGPT, MoELayer, MoEOptions, RoutingStats, route
 from minipar.core.nn import MLP, GPTConfig, Linear, ModelOptions
 from minipar.core.options import option
+from minipar.distributed.collectives import Wire
 from minipar.distributed.communicator import Comm
 from minipar.distributed.grid import ProcessGrid
 from minipar.parallel.api import LocalUpdater, Runner, RunnerWrapper, Updater
@@ -222,14 +223,16 @@ class ExpertParallelZero(Updater):
     updater of its own, both hooked on the same units (stages 2-3)."""
 
     def __init__(self, model, optimizer_of, dp: Comm, groups: ExpertGroups, stage: int,
-                 prefetch: bool = False):
+                 prefetch: bool = False, working: Wire | None = None):
+        """working: stage 3's 16-bit working copy in bf16 or fp16 (zero3.py), else None."""
         Updater.__init__(self, model, None)
         makers: dict[int, Callable[..., Updater]] = {
-            1: ZeroStage1, 2: ZeroStage2, 3: partial(ZeroStage3, prefetch=prefetch)}
+            1: ZeroStage1, 2: ZeroStage2, 3: partial(ZeroStage3, prefetch=prefetch, working=working)}
         make = makers[stage]
         self.parts = [make(ModelPart(model, lambda n: not is_expert(n)), optimizer_of([]), dp),
                       make(ModelPart(model, is_expert), optimizer_of([]), groups.edp)]
         self.optimizer = self.parts[0].optimizer
+        self.gathers_parameters = stage == 3
 
     def synchronize_gradients(self) -> None:
         for part in self.parts:

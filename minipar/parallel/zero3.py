@@ -20,12 +20,25 @@ Prefetch (the default; `--no-overlap` turns it off): as a unit's forward begins,
 all-gather starts (non-blocking), and as its backward begins, the previous unit's; each is waited for
 where that unit needs its parameters, so the gather travels while the current unit computes. The
 same gathers, so the same bytes; it costs one more unit held whole (the ledger's "buffers").
+
+In bf16 or fp16 (`working`: precision/mixed.py's `parameter_wire`) each rank keeps its fp32 master
+shard and, beside it, that shard rounded to the 16-bit format (2-byte patterns), made again after every
+update; the gathers send those, so the parameter all-gathers cost half of fp32's bytes, and the unit
+made whole is the 16-bit working copy (DeepSpeed's bf16 ZeRO-3). Rounding is elementwise, so rounding
+each shard and then gathering gives the bits that gathering and then rounding would (the working copy
+of the single-process run). The gradients are reduce-scattered in fp32, as at stages 1 and 2. Per
+parameter a rank holds 2/N bytes of 16-bit shard, 4/N of fp32 gradients and 4/N + K/N of master and
+optimizer states (the planner's formula with p = 2, g = 4 and the master counted in K), and the ledger
+counts a gathered unit at 2 bytes per value: what came over the wire, and what a device would hold
+(NumPy computes from its decoding into float32 arrays, as it holds every 16-bit value).
 Lesson: lessons/04_zero.md.
 """
 
 from __future__ import annotations
 
+from minipar.core.backend import Array
 from minipar.core.backend import current as current_backend
+from minipar.distributed.collectives import Wire
 from minipar.distributed.communicator import PendingCollective
 from minipar.memory.ledger import buffer_meter
 from minipar.parallel.flat_units import unflatten
@@ -35,16 +48,22 @@ from minipar.parallel.zero import ZeroStage2
 class ZeroStage3(ZeroStage2):
     """Updater and model wrapper: parameters, gradients and optimizer states all partitioned."""
 
-    def __init__(self, model, optimizer, comm, prefetch: bool = False):
-        self.prefetch = prefetch
+    gathers_parameters = True
+
+    def __init__(self, model, optimizer, comm, prefetch: bool = False, working: Wire | None = None):
+        """working: how a shard becomes the 16-bit working copy that is gathered (encode, to 2-byte
+        patterns) and back (decode); None: the parameters themselves are gathered."""
+        self.prefetch, self.working = prefetch, working
         self.prefetched: dict[int, PendingCollective] = {}  # unit index -> its all-gather, started
+        self.working_shards: dict[int, Array] = {}  # unit index -> its rounded shard (16-bit only)
         super().__init__(model, optimizer, comm)
         for unit in self.units:
             unit.param_shard = unit.param_shard.copy()  # this rank's shard outlives the full buffer
             unit.freed = unit.xp.empty(0, dtype=unit.dtype)
+            self.round_shard(unit)
             assert unit.flat is not None  # stage 1's constructor made every unit's buffer whole
-            buffer_meter.add(unit.flat.nbytes)  # the full parameters built here count as gathered ...
-            self.release_params(unit)  # ... and go at once
+            buffer_meter.add(self.gathered_nbytes(unit))  # the full parameters built here count as
+            self.release_params(unit)  # gathered, and go at once
 
     def hook_unit(self, unit):
         """Whole parameters for the unit's forward only, and again for its backward."""
@@ -68,6 +87,27 @@ class ZeroStage3(ZeroStage2):
                        module.register_forward_hook(release_after_forward),
                        module.register_full_backward_pre_hook(gather_for_backward)]
 
+    def round_shard(self, unit) -> None:
+        """In 16 bits, this rank's shard as the working copy is made of: its master shard rounded, on
+        the rank that owns it, once per update (rounding is elementwise: the same bits as rounding the
+        gathered parameters)."""
+        if self.working is not None:
+            self.working_shards[self.units.index(unit)] = self.working.encode(unit.param_shard)
+
+    def gathered_shard(self, unit):
+        """What this rank sends when a unit is gathered: its 16-bit shard, or its parameter shard."""
+        if self.working is None:
+            return unit.param_shard
+        return self.working_shards[self.units.index(unit)]
+
+    def gathered_nbytes(self, unit) -> int:
+        """The bytes of a unit made whole: the elements times the gathered format's bytes."""
+        return unit.padded * self.gathered_shard(unit).itemsize
+
+    def whole(self, gathered):
+        """The flat parameters the model computes with, from what the all-gather brought."""
+        return gathered if self.working is None else self.working.decode(gathered)
+
     def gather_params(self, unit):
         """Make the unit's parameters whole: all-gather every rank's shard into a new flat buffer (or
         wait for the all-gather a prefetch started; its buffer was counted then)."""
@@ -76,10 +116,10 @@ class ZeroStage3(ZeroStage2):
             return  # still whole: the first unit between its backward and the step
         pending = self.prefetched.pop(self.units.index(unit), None)
         if pending is not None:
-            unit.flat = pending.wait()
+            unit.flat = self.whole(pending.wait())
         else:
-            unit.flat = self.comm.all_gather(unit.param_shard, numel=unit.padded)
-            buffer_meter.add(unit.flat.nbytes)
+            unit.flat = self.whole(self.comm.all_gather(self.gathered_shard(unit), numel=unit.padded))
+            buffer_meter.add(self.gathered_nbytes(unit))
         unit.point_params_at(unit.flat)
         # end exercise
 
@@ -89,15 +129,15 @@ class ZeroStage3(ZeroStage2):
             return
         unit = self.units[index]
         if unit.flat is None:
-            self.prefetched[index] = self.comm.iall_gather(unit.param_shard, numel=unit.padded)
-            buffer_meter.add(unit.padded * unit.dtype.itemsize)
+            self.prefetched[index] = self.comm.iall_gather(self.gathered_shard(unit), numel=unit.padded)
+            buffer_meter.add(self.gathered_nbytes(unit))
 
     def release_params(self, unit):
         """Drop the full parameters: each becomes an empty array (using one by mistake fails loudly)."""
         # exercise 04.3: ZeRO-3: gather a unit's parameters, release them
         if unit.flat is None:
             return
-        buffer_meter.release(unit.flat.nbytes)
+        buffer_meter.release(self.gathered_nbytes(unit))
         unit.flat = None
         for p in unit.params:
             p.data = unit.freed
@@ -112,7 +152,7 @@ class ZeroStage3(ZeroStage2):
         self.reduce_scatter_pending_grads()
         for index in list(self.prefetched):  # a gather no unit used (a schedule that went elsewhere)
             self.prefetched.pop(index).wait()
-            buffer_meter.release(self.units[index].padded * self.units[index].dtype.itemsize)
+            buffer_meter.release(self.gathered_nbytes(self.units[index]))
         for unit in self.units:
             self.release_params(unit)
 
@@ -120,8 +160,24 @@ class ZeroStage3(ZeroStage2):
         """Each rank updates its own shards; nothing is gathered until the next forward needs it."""
         for unit in self.units:
             self.update(unit, unit.grad_shard)
+            self.round_shard(unit)
+
+    def load_logical(self, state) -> None:
+        super().load_logical(state)
+        for unit in self.units:
+            self.round_shard(unit)
+
+    def memory(self) -> dict:
+        """In 16 bits the fp32 master shards are optimizer state, as in the ZeRO paper's K = 4 + 8 for
+        Adam, and the parameters this rank keeps are its 16-bit shards (`params_bytes`)."""
+        held = super().memory()
+        if self.working is not None:
+            held["optimizer"] += sum(u.param_shard.nbytes for u in self.units)
+        return held
 
     def params_bytes(self) -> int:
+        if self.working is not None:
+            return sum(shard.nbytes for shard in self.working_shards.values())
         return sum(u.param_shard.nbytes for u in self.units)
 
     def local_state(self) -> dict:

@@ -21,6 +21,12 @@ What it saves: device memory: only the gathered chunks of one unit, a chunk's bl
 activations must fit. Gathered buffers all have the one chunk size, and messages are sized by
 `--chunk-mb`, not by the model's modules. What it costs: zero3's 3(N-1)/N of the model's bytes per
 step plus the chunks' padding, and, with offload, the blocks' traffic between tiers.
+
+In bf16 or fp16 (`working`, as in zero3.py) a chunk has one block more, its shard of the 16-bit
+working copy (2-byte patterns, "params"; the fp32 master block counts as optimizer state), written
+by the optimizer step; a gather fetches and sends it, so a gathered chunk is half of fp32's bytes
+until backward writes the unit's fp32 gradients into it (they are reduce-scattered in fp32): then it
+widens to 4 bytes a value. The tracer and `--device-mem-mb auto` see those smaller chunks.
 Lesson: lessons/08_memory.md.
 """
 
@@ -34,6 +40,7 @@ from minipar.core.backend import current as current_backend
 from minipar.core.hooks import RemovableHandle
 from minipar.core.options import option
 from minipar.core.shards import shard_of
+from minipar.distributed.collectives import Wire
 from minipar.memory.chunks import TensorState, pack_in_chunks, search_chunk_size
 from minipar.memory.ledger import buffer_meter, tier_meter
 from minipar.memory.offload import OFFLOADS, POLICIES, MiB, TieredStore
@@ -71,15 +78,20 @@ S = TensorState
 class ChunkedZero3(Updater):
     """Updater and model wrapper: ZeRO-3 whose unit of communication and of offload is the chunk."""
 
+    gathers_parameters = True
+
     def __init__(self, model, optimizer, comm, chunk_numel: int, budget_bytes: float | str | None = None,
                  offload: str = "none", eviction: str = "opt", traced: bool = True, least_bytes: int = 0,
-                 disk_folder: str | None = None):
+                 disk_folder: str | None = None, working: Wire | None = None):
         """budget_bytes: a number, None (no budget) or AUTO (the least the warm-up needs); traced: place
         by the warm-up's memory trace (Gemini), else by the budget alone; least_bytes: a floor for the
-        least budget (the up-front estimate of size_errors, so that the figure it names passes it)."""
+        least budget (the up-front estimate of size_errors, so that the figure it names passes it);
+        working: the 16-bit working copy's format in bf16 or fp16 (encode, decode), else None."""
         check_replicas_identical(model, comm)
         super().__init__(model, optimizer)
-        self.comm, self.gradients_zeroed = comm, False
+        self.comm, self.gradients_zeroed, self.working = comm, False, working
+        self.gathered_key = "param" if working is None else "working"  # the block a gather sends
+        self.held: dict[int, int] = {}  # chunk index -> bytes its gathered buffer is counted at
         self.units = units_of(model, comm)
         self.chunks = pack_in_chunks([(name, p, i) for i, unit in enumerate(self.units)
                                       for name, p in zip(unit.names, unit.params)], chunk_numel)
@@ -93,7 +105,10 @@ class ChunkedZero3(Updater):
             self.state_names = [k for k, v in state.items() if hasattr(v, "shape")]
             self.scalars.append({k: v for k, v in state.items() if k not in self.state_names})
             full = chunk.flatten([t.param.data for t in chunk.tensors])
-            blocks[chunk.index, "param"] = (full[self.start : self.start + self.shard].copy(), "params")
+            master = full[self.start : self.start + self.shard].copy()
+            blocks[chunk.index, "param"] = (master, "params" if working is None else "optimizer")
+            if working is not None:  # the master's 16-bit rounding, what the gathers send
+                blocks[chunk.index, "working"] = (working.encode(master), "params")
             blocks[chunk.index, "grad"] = (self.xp.zeros(self.shard, dtype=chunk.dtype), "grads")
             for name in self.state_names:
                 blocks[chunk.index, name] = (state[name], "optimizer")
@@ -167,6 +182,8 @@ class ChunkedZero3(Updater):
         nbytes = sum(t.param.grad.nbytes for _, t in pairs if t.param.grad is not None)
         self.store.make_room(nbytes)
         buffer_meter.add(nbytes)  # the unit's full gradients, until copied into the chunks
+        for chunk in self.chunks_of(i):
+            self.widen(chunk)
         for chunk, tensor in pairs:
             chunk.transition(tensor, S.HOLD_AFTER_BWD)
             if tensor.param.grad is not None:
@@ -190,10 +207,12 @@ class ChunkedZero3(Updater):
     def gather(self, chunk):
         if chunk.payload is not None:
             return
-        with self.store.use((chunk.index, "param")) as (param_shard,):
-            self.store.make_room(chunk.nbytes)
-            chunk.payload = self.comm.all_gather(param_shard, numel=chunk.numel)
-            buffer_meter.add(chunk.nbytes)  # before the store may prefetch into the room made for it
+        with self.store.use((chunk.index, self.gathered_key)) as (shard,):
+            self.held[chunk.index] = chunk.numel * shard.itemsize  # 2 bytes a value in bf16 and fp16
+            self.store.make_room(self.held[chunk.index])
+            gathered = self.comm.all_gather(shard, numel=chunk.numel)
+            chunk.payload = gathered if self.working is None else self.working.decode(gathered)
+            buffer_meter.add(self.held[chunk.index])  # before the store may prefetch into the room made
         for tensor in chunk.tensors:
             chunk.transition(tensor, S.HOLD)
             tensor.param.data = chunk.view(chunk.payload, tensor)
@@ -205,11 +224,19 @@ class ChunkedZero3(Updater):
         with self.store.use((chunk.index, "grad")) as (grad,):
             grad += grad_shard
 
+    def widen(self, chunk):
+        """A 16-bit chunk about to hold fp32 gradients is counted at their bytes from now on."""
+        extra = chunk.nbytes - self.held[chunk.index]
+        if extra > 0:
+            self.store.make_room(extra)
+            buffer_meter.add(extra)
+            self.held[chunk.index] = chunk.nbytes
+
     def release(self, chunk):
         for tensor in chunk.tensors:
             chunk.transition(tensor, S.FREE)
             tensor.param.data = self.freed
-        buffer_meter.release(chunk.nbytes)
+        buffer_meter.release(self.held.pop(chunk.index))
         chunk.payload = None
 
     # ---- updater protocol ----
@@ -233,6 +260,9 @@ class ChunkedZero3(Updater):
                     self.optimizer.update(param, grad, state)
                 self.scalars[i] = {k: v for k, v in state.items() if k not in self.state_names}
                 grad[...] = 0  # for the next step, while the block is here
+            if self.working is not None:  # apart, so that the step's blocks are not all in use with it
+                with self.store.use((i, "param"), (i, "working")) as (param, working):
+                    working[...] = self.working.encode(param)  # the new master, rounded
         self.gradients_zeroed = True
 
     def release_gradients(self):
@@ -280,6 +310,9 @@ class ChunkedZero3(Updater):
             for kind in ["param", *self.state_names]:
                 full = chunk.flatten([shard_of(state[t.name][kind], t.param.shard) for t in chunk.tensors])
                 self.store.write((chunk.index, kind), full[self.start : self.start + self.shard])
+            if self.working is not None:
+                self.store.write((chunk.index, "working"), self.working.encode(self.store.read((chunk.index,
+                                                                                                "param"))))
             scalars.update({k: int(state[chunk.tensors[0].name][k]) for k in scalars})
 
     def local_state(self) -> dict:
@@ -324,20 +357,27 @@ def chunk_numel_for(options: ChunkedOptions, model, parts: int) -> int:
     return search_chunk_size(tensor_sizes(model), parts)[0]
 
 
-def device_bytes_needed(model, chunk_numel: int, parts: int, rows: int, offload: str) -> int:
+def device_bytes_needed(model, chunk_numel: int, parts: int, rows: int, offload: str,
+                        working_itemsize: int | None = None) -> int:
     """The least device memory the engine needs, activations aside: the chunks one unit spans, all
     gathered, with one block or the unit's gradients (while they are copied in); or, for the step,
     the `rows` blocks (parameters, gradients, optimizer states) of one chunk; without offload, every
-    block of every chunk besides."""
+    block of every chunk besides. `working_itemsize` (2 in bf16 and fp16): a gathered chunk and its
+    block are the working copy's, and each chunk has that block besides the `rows` (written after the
+    step, beside the master alone)."""
     units = [unit.parameters() for _, unit in model.units()]
     chunks = pack_in_chunks([(f"{u}.{j}", p, u) for u, params in enumerate(units)
                              for j, p in enumerate(params)], chunk_numel)
     spanned = max(sum(1 for c in chunks if u in c.units) for u in range(len(units)))
     largest_unit = max(sum(p.size for p in params) for params in units)
-    shard = chunk_numel // parts
+    shard, itemsize = chunk_numel // parts, chunks[0].dtype.itemsize
+    gathered = working_itemsize or itemsize  # bytes a value of a gathered chunk and of its block
+    row_bytes = rows * itemsize + (working_itemsize or 0)  # one shard element of every block of a chunk
     if offload == "none":
-        return (len(chunks) * rows * shard + spanned * chunk_numel + largest_unit) * chunks[0].dtype.itemsize
-    return max(spanned * chunk_numel + max(shard, largest_unit), rows * shard) * chunks[0].dtype.itemsize
+        return len(chunks) * row_bytes * shard + (spanned * chunk_numel + largest_unit) * gathered
+    step_bytes = max(rows * itemsize, itemsize + (working_itemsize or 0))  # blocks in use at once
+    return max(spanned * chunk_numel * gathered + max(shard * gathered, largest_unit * itemsize),
+               step_bytes * shard)
 
 
 def config_errors(options: ChunkedOptions) -> list[str]:
@@ -355,15 +395,17 @@ def config_errors(options: ChunkedOptions) -> list[str]:
     return errors
 
 
-def size_errors(options: ChunkedOptions, parts: int, model, optimizer) -> list[str]:
+def size_errors(options: ChunkedOptions, parts: int, model, optimizer,
+                working_itemsize: int | None = None) -> list[str]:
     """--chunk-mb and --device-mem-mb against the real sizes, sharded over `parts` ranks: `model` is the
     whole model (one rank's, before sharding) and `optimizer` the one it trains with, whose state rows
-    count."""
+    count; `working_itemsize`: 2 when a 16-bit working copy is gathered (bf16, fp16)."""
     chunk_numel, largest = chunk_numel_for(options, model, parts), max(tensor_sizes(model))
     if chunk_numel < largest:
         return [f"--chunk-mb {options.chunk_mb} holds {chunk_numel} elements, fewer than the largest "
                 f"parameter's {largest}: a tensor never straddles two chunks"]
-    needed = device_bytes_needed(model, chunk_numel, parts, state_rows(optimizer), options.offload)
+    needed = device_bytes_needed(model, chunk_numel, parts, state_rows(optimizer), options.offload,
+                                 working_itemsize)
     budget = options.device_mem_mb
     if isinstance(budget, float | int) and budget * MiB < needed:  # None and auto: no figure to check
         return [f"--device-mem-mb {options.device_mem_mb} is too small: chunked ZeRO-3 with --offload "
@@ -378,11 +420,14 @@ def state_rows(optimizer) -> int:
     return 2 + sum(hasattr(v, "shape") for v in state.values())
 
 
-def build_chunked_zero3(options: ChunkedOptions, grid, model, optimizer) -> ChunkedZero3:
-    """trainer/build.py's branch: the engine for --offload / --chunk-mb / --device-mem-mb."""
+def build_chunked_zero3(options: ChunkedOptions, grid, model, optimizer,
+                        working: Wire | None = None) -> ChunkedZero3:
+    """trainer/build.py's branch: the engine for --offload / --chunk-mb / --device-mem-mb; `working`:
+    precision/mixed.py's `parameter_wire` in bf16 and fp16 (its values travel in 2 bytes)."""
     budget = options.device_mem_mb if options.device_mem_mb in (None, AUTO) else options.device_mem_mb * MiB
     chunk_numel = chunk_numel_for(options, model, grid.dp_cp.size)
-    least = device_bytes_needed(model, chunk_numel, grid.dp_cp.size, state_rows(optimizer), options.offload)
+    least = device_bytes_needed(model, chunk_numel, grid.dp_cp.size, state_rows(optimizer), options.offload,
+                                None if working is None else 2)
     return ChunkedZero3(model, optimizer, grid.dp_cp, chunk_numel, budget, options.offload, options.eviction,
                         traced=not options.static_placement, least_bytes=least,
-                        disk_folder=options.offload_dir)
+                        disk_folder=options.offload_dir, working=working)

@@ -12,6 +12,9 @@ The idea (Micikevicius et al., "Mixed Precision Training", 2018), as three piece
   gradients are divided by it, every rank learns whether any rank saw an inf or NaN, and on overflow
   the step is skipped and the scale halved (`precision.DynamicLossScaler`).
 - `gradient_all_reduce` lets DDP send gradients in the 16-bit format over a ring (summing in fp32).
+- `parameter_wire` gives ZeRO-3 and chunked ZeRO-3 (which hold no whole parameters to round) the
+  16-bit format of the working copy: each rank rounds its fp32 master shard and the 2-byte patterns
+  are all-gathered, so the gathered unit is the working copy (zero3.py, zero_chunked.py).
 
 What it saves: half the bytes of every value computed in 16 bits (activations, the working weights,
 the gradient all-reduce) and, on hardware, 16-bit matrix units. Here NumPy holds the 16-bit values in
@@ -112,6 +115,12 @@ def low_precision_wire(fmt: str) -> Wire:
     return Wire(encode=partial(pack_low, fmt=fmt), decode=partial(unpack_low, fmt=fmt))
 
 
+def parameter_wire(precision: str) -> Wire | None:
+    """For ZeRO-3 and chunked ZeRO-3 in bf16 or fp16: a shard of fp32 masters to the 2-byte patterns
+    of its working copy (gathered at half of fp32's bytes) and back; None for fp64 and fp32."""
+    return low_precision_wire(precision) if precision in LOW_PRECISIONS else None
+
+
 def gradient_all_reduce(precision: str, comm):
     """DDP's gradient sum for this precision: a ring on the 16-bit wire, or None (Comm's own)."""
     if precision not in LOW_PRECISIONS:
@@ -152,12 +161,14 @@ def wrap_runner(options: PrecisionOptions, model, runner, updater: Updater):
     """The runner for `options.precision`: itself for fp64/fp32, a MixedPrecisionRunner for bf16/fp16.
 
     The updater's loss scaling (attach_loss_scaling) tells the runner which scale to multiply the
-    loss by.
+    loss by. With ZeRO-3 or chunked offload the runner rounds no weights: the gathered units are the
+    working copy already (`parameter_wire`); it still rounds every op's output.
     """
     fmt = Precision.from_name(options.precision)
     if fmt.round is None:
         return runner
-    return MixedPrecisionRunner(runner, model.parameters(), fmt.round, loss_scaling_of(updater))
+    params = [] if updater.gathers_parameters else model.parameters()
+    return MixedPrecisionRunner(runner, params, fmt.round, loss_scaling_of(updater))
 
 
 # ---- the options of `minipar train --precision` and their checks (trainer/validate.py gathers them) ----

@@ -47,6 +47,8 @@ from minipar.simulate.model import (
 
 # bytes per parameter, gradient, optimizer state (K) and activation value. Mixed precision as the
 # ZeRO paper counts it: 2-byte weights and gradients, 12 bytes of fp32 master copy and Adam moments.
+# ZeRO-3 in bf16 gathers the 2-byte weights, as `minipar train` does (parallel/zero3.py); minipar's
+# own gradients stay fp32 (g = 4, reduce-scattered in fp32), where the paper's recipe sends 2 bytes.
 PRECISION_BYTES = {"fp64": (8, 8, 16, 8), "fp32": (4, 4, 8, 4), "bf16": (2, 2, 12, 2), "fp16": (2, 2, 12, 2)}
 
 

@@ -130,16 +130,19 @@ def synchronising_updater(cfg, grid, model):
         return build_optimizer(cfg, params)
 
     if cfg.chunked:  # --offload, --chunk-mb or --device-mem-mb (zero_chunked.py's ChunkedOptions)
-        return build_chunked_zero3(cfg, grid, model, optimizer_of([]))  # parallel/zero_chunked.py
+        return build_chunked_zero3(cfg, grid, model, optimizer_of([]),  # parallel/zero_chunked.py
+                                   mixed_precision.parameter_wire(cfg.precision))
     if cfg.ep > 1:  # experts summed over the ranks that hold them, the rest over dp (experts.py)
         groups = experts.ExpertGroups(grid, cfg.ep)  # the same communicators as the model's (reused)
         if cfg.zero:  # expert states (and gradients, parameters) sharded over edp, the rest over dp
             return experts.ExpertParallelZero(model, optimizer_of, grid.dp, groups, cfg.zero,
-                                              prefetch=not cfg.no_overlap)
+                                              prefetch=not cfg.no_overlap,
+                                              working=mixed_precision.parameter_wire(cfg.precision))
         return experts.ExpertParallelUpdater(model, optimizer_of(model.parameters()), grid.dp, groups)
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
-        if cfg.zero == 3:  # prefetching the next unit's parameters unless --no-overlap
-            return ZeroStage3(model, optimizer_of([]), grid.dp_cp, prefetch=not cfg.no_overlap)
+        if cfg.zero == 3:  # prefetching the next unit's parameters unless --no-overlap; in bf16 or fp16
+            return ZeroStage3(model, optimizer_of([]), grid.dp_cp, prefetch=not cfg.no_overlap,  # the
+                              working=mixed_precision.parameter_wire(cfg.precision))  # 16-bit copy
         stage = {1: ZeroStage1, 2: ZeroStage2}[cfg.zero]
         return stage(model, optimizer_of([]), grid.dp_cp)
     if cfg.zero == 0 and grid.dp_cp.size > 1:

@@ -145,9 +145,6 @@ def _combinations(cfg: TrainConfig) -> list[str]:
         (cfg.schedule == "zb-h1" and cfg.pp > 1 and cfg.recompute == "full",
          "--schedule zb-h1 with --recompute full: a recomputed block's backward runs as one operation, "
          "so its weight gradients cannot wait for W; use --recompute selective or none"),
-        (cfg.precision in mixed.LOW_PRECISIONS and (cfg.zero == 3 or cfg.chunked),
-         f"--precision {cfg.precision} does not support --zero 3 or chunked offload: they gather the fp32 "
-         "parameters during forward, after the 16-bit working copy is made"),
     ]
     return [message for broken, message in rules if broken]
 
@@ -196,9 +193,9 @@ def _chunked(cfg: TrainConfig) -> list[str]:
     if not cfg.chunked:
         return []
     errors = zero_chunked.config_errors(cfg)
-    if cfg.zero not in (0, 3) or cfg.tp > 1 or cfg.pp > 1 or cfg.precision not in ("fp64", "fp32"):
+    if cfg.zero not in (0, 3) or cfg.tp > 1 or cfg.pp > 1:
         errors.append("--offload, --chunk-mb and --device-mem-mb run chunked ZeRO-3 over data parallelism: "
-                      "they need --zero 3 (or 0), --tp 1, --pp 1 and --precision fp64 or fp32")
+                      "they need --zero 3 (or 0), --tp 1 and --pp 1")
     if cfg.chunk_mb is not None and cfg.chunk_mb * 2**20 > physical_memory_bytes():
         errors.append(f"--chunk-mb {cfg.chunk_mb:g} is more than this machine's memory "
                       f"({physical_memory_bytes() / 2**20:,.0f} MiB)")
@@ -207,7 +204,8 @@ def _chunked(cfg: TrainConfig) -> list[str]:
     replicas = cfg.replace(dp=cfg.dp * cfg.cp, cp=1)  # with --cp it shards over dp x cp (grid.dp_cp)
     # the whole model one rank would gather, built as a plain single-process run builds it (no grid)
     model = build_model(replicas.replace(zero=0, offload="none", chunk_mb=None, device_mem_mb=None), None)
-    return (zero_chunked.size_errors(cfg, replicas.dp, model, build_optimizer(cfg, []))
+    working_itemsize = 2 if cfg.precision in mixed.LOW_PRECISIONS else None  # the 16-bit working copy
+    return (zero_chunked.size_errors(cfg, replicas.dp, model, build_optimizer(cfg, []), working_itemsize)
             or _disk_space(cfg, model))
 
 

@@ -209,6 +209,17 @@ def test_budgets_from_the_least_to_the_full_states_train_within_them_like_one_pr
     assert least > up_front  # the activations: what the up-front check cannot know
 
 
+def test_bf16_budgets_from_the_least_to_the_full_states_train_within_them_like_one_process():
+    """In bf16 a gathered chunk holds 2-byte values until gradients widen it to fp32, and each chunk
+    has a block more (its 16-bit shard): every budget from the least up is still kept on every step,
+    and the up-front figure, counted with those bytes, still stays below the least."""
+    cfg = tiny(**MODELS["gpt"], dp=1, batch_size=4, steps=3, offload="cpu", precision="bf16")
+    least = check_budgets(cfg, MPI.COMM_SELF, fractions=[0.0, 1.0])
+    model = build.build_model(cfg.replace(offload="none"), None)
+    up_front = device_bytes_needed(model, chunk_numel_for(cfg, model, 1), 1, 4, "cpu", working_itemsize=2)
+    assert least > up_front
+
+
 def test_below_the_least_every_budget_is_refused_after_the_warm_up_and_nothing_is_written(tmp_path):
     cfg = tiny(**MODELS["gpt"], dp=1, batch_size=4, steps=3, offload="cpu", log=str(tmp_path / "log.jsonl"))
     _, records, _ = run(cfg.replace(device_mem_mb="auto", log=None))

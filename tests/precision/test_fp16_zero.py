@@ -1,4 +1,5 @@
-"""fp16 with ZeRO 1 and 2: the loss scaling at the gradients-ready point, before any shard is updated.
+"""fp16 with ZeRO 1, 2 and 3 and chunked ZeRO-3: the loss scaling at the gradients-ready point, before
+any shard is updated.
 
     pytest -m "not mpi" tests/precision/test_fp16_zero.py                    # one rank: bit-equal
     mpiexec -n K python -m pytest -m mpi tests/precision/test_fp16_zero.py    # K = 2, 4, 8
@@ -13,6 +14,7 @@ rank: none; stages 1 and 2 with one micro-batch: the same reduce-scatter) they a
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_harness import at_world_size, mpi_given, mpi_test, needs_world_size
@@ -64,11 +66,10 @@ def assert_within_8u(end, reference_end, start, what):
     assert np.linalg.norm(end - reference_end) <= 8 * U * scale, what
 
 
-def test_fp16_with_zero_1_and_2_is_accepted_and_zero_3_still_refused():
+def test_fp16_with_every_zero_stage_and_chunked_offload_is_accepted():
     assert validate(tiny(zero=1, dp=2), 2) == [] and validate(tiny(zero=2, dp=2), 2) == []
-    assert validate(tiny(zero=3, dp=2), 2) == [
-        "--precision fp16 does not support --zero 3 or chunked offload: they gather the fp32 parameters "
-        "during forward, after the 16-bit working copy is made"]
+    assert validate(tiny(zero=3, dp=2), 2) == []
+    assert validate(tiny(zero=3, dp=2, offload="disk", device_mem_mb="auto"), 2) == []
 
 
 def test_one_rank_zero_1_and_2_are_bit_equal_to_the_plain_fp16_step():
@@ -167,6 +168,34 @@ def test_an_overflow_on_one_ranks_shard_skips_the_step_on_every_rank_and_changes
     for key, value in before.items():
         np.testing.assert_array_equal(after[key], value, err_msg=str(key))
     assert engine.updater.log_record() == {}  # nothing after the verdict ran
+
+
+CHUNKED = {"offload": "cpu", "device_mem_mb": "auto", "chunk_mb": 0.004}  # small chunks: several per unit
+
+
+@pytest.mark.parametrize("layout", [{}, CHUNKED], ids=["zero3", "chunked"])
+@mpi_test
+def test_an_overflow_skips_the_step_on_every_rank_with_zero_3_and_chunked_offload(comm, layout):
+    """The same verdict through ZeRO-3's and chunked ZeRO-3's gradients-ready point, whose shards (and
+    offloaded blocks) hold the master weights and the moments: an inf planted in one rank's shard after
+    two clean steps changes none of them, on any rank."""
+    dp = comm.size
+    cfg = tiny(zero=3, dp=dp, batch_size=4 * dp, **layout)
+    engine, scaler = fp16_zero_engine(cfg, comm.mpi)
+    task = train.make_task(cfg)
+    for step in range(2):
+        engine.train_step(*task.global_batch(step, cfg.batch_size))
+        assert not engine.runner.log_record()["skipped"]
+    before, scale = state_of(engine.updater), scaler.get_scale()
+    if comm.rank == dp - 1:
+        engine.updater.register_gradients_ready_hook(PlantInf(), first=True)
+    engine.train_step(*task.global_batch(2, cfg.batch_size))
+    assert engine.runner.log_record() == {"loss_scale": scale, "skipped": True}
+    assert scaler.get_scale() == scale / 2
+    after = state_of(engine.updater)
+    assert after.keys() == before.keys() and any(kind == "step" for _, kind in before)
+    for key, value in before.items():
+        np.testing.assert_array_equal(after[key], value, err_msg=str(key))
 
 
 @mpi_test
