@@ -11,7 +11,7 @@ Two cuts, and every technique uses one of them:
 A data-parallel rank's slice of the global batch is either cut (validation makes the batch divisible).
 `Shard` says which part of a full tensor a parameter holds; `shard_of` cuts that part from the full
 tensor, padding with zeros where a padded part runs past the end.
-Lessons: lessons/02_collectives.md (the ring's cut), 04_zero.md and 05_tensor_parallel.md (padding).
+Lessons: lessons/02_collectives.md (the ring's cut), 04_zero.md and 05b_tensor_parallel_appendix.md (padding).
 """
 
 from __future__ import annotations

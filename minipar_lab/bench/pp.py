@@ -8,7 +8,7 @@ formula's bubble, each stage's share of the compute and its forward and backward
 micro-batch (the formula assumes equal stages), the step time, and stage 0's activation peak
 (GPipe holds M micro-batches there, 1F1B at most K). Each rank gets one BLAS thread, so K ranks
 need K free cores.
-Lesson: lessons/06_pipeline.md.
+Lesson: lessons/06b_pipeline_schedules.md (the bubble measured).
 
     python -m minipar bench pp [--stages 2] [--microbatches 1 2 4 8] [--steps 8] [--warmup 2]
                                [--repeats 3] [--json] [train options...]

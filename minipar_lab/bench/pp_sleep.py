@@ -3,7 +3,7 @@
 With more stages than cores a real model's stages fight over the cores and the measured bubble says
 more about the machine than about the schedule. A unit that sleeps leaves the core to the others, so
 the bubble measured by `PipelineRunner` (the same timing as in training) can be set beside the formula
-and the simulator's. Run (lesson 06):
+and the simulator's. Run (lesson 06b):
 
     mpiexec -n 4 python -m minipar_lab.bench.pp_sleep --microbatches 8 --unit-ms 20
 

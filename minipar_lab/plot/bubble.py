@@ -7,7 +7,7 @@ is the formula exactly.
 
     python -m minipar plot bubble [--stages 2] [--schedule 1f1b] [--microbatches 1 2 4 8]
                                   [--bench-json FILE] [--out DIR]
-Lesson: lessons/06_pipeline.md.
+Lesson: lessons/06b_pipeline_schedules.md.
 """
 
 from __future__ import annotations
