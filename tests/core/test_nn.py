@@ -208,3 +208,31 @@ def test_mlp_backward_against_finite_differences(seed):
     x = Tensor(np.random.default_rng([seed, 1]).standard_normal((4, 3)))
     y = np.random.default_rng([seed, 2]).standard_normal((4, 2))
     check_parameter_gradients(model, lambda: model.loss(model(x), y, 4), seed, per_parameter=3)
+
+
+# ---- attention against a hand-written loop ----
+
+
+def attention_by_loops(q, k, v, n_head):
+    """Each head and query by hand: weights softmax(q·k / sqrt(head_dim)) over the keys at or before it."""
+    B, T, C = q.shape
+    hd = C // n_head
+    out = np.zeros_like(q)
+    for b in range(B):
+        for h in range(n_head):
+            cols = slice(h * hd, (h + 1) * hd)
+            for t in range(T):
+                scores = np.array([q[b, t, cols] @ k[b, j, cols] / np.sqrt(hd) for j in range(t + 1)])
+                weights = np.exp(scores - scores.max())
+                weights /= weights.sum()
+                out[b, t, cols] = sum(w * v[b, j, cols] for j, w in enumerate(weights))
+    return out
+
+
+@given(seed=st.integers(0, 2**16), n_head=st.sampled_from([1, 2, 4]))
+@settings(max_examples=10, deadline=None)
+def test_causal_attention_is_the_scaled_softmax_written_out(seed, n_head):
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((2, 5, 8)) * 3 for _ in range(3))
+    got = nn.causal_attention(Tensor(q), Tensor(k), Tensor(v), n_head).data
+    np.testing.assert_allclose(got, attention_by_loops(q, k, v, n_head), rtol=1e-12, atol=1e-12)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import hypothesis.strategies as st
 import numpy
@@ -454,6 +455,34 @@ def test_process_grid_for_every_factorisation(comm):
         comm.ledger.start_step()
         text = grid.describe()
         assert f"dp={dp} pp={pp} tp={tp}" in text and len(text.splitlines()) == 2 + dp * (pp + 1)
+
+
+def test_grid_coordinates_put_tp_fastest_then_cp_then_pp_then_dp():
+    """The numbering of DESIGN.md, rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank,
+    written out as nested loops for a grid of four dimensions of different extents (no MPI: the
+    arithmetic of coords_of and rank_of only)."""
+    sizes = SimpleNamespace(dp_size=2, pp_size=3, cp_size=2, tp_size=2)
+    rank = 0
+    for d in range(2):
+        for p in range(3):
+            for c in range(2):
+                for t in range(2):
+                    assert ProcessGrid.coords_of(sizes, rank) == (d, p, t, c)
+                    assert ProcessGrid.rank_of(sizes, d, p, t, c) == rank
+                    rank += 1
+
+
+@mpi_test
+def test_with_cp_the_dp_cp_group_orders_ranks_dp_major(comm):
+    """dp_cp joins the ranks that hold the same parameters; its rank is dp_rank * cp + cp_rank, the
+    order ZeRO shards over and checkpoints record (a cp-major order shards differently)."""
+    if comm.size % 2:
+        return
+    for dp, cp in ((comm.size // 2, 2), (1, comm.size)):
+        grid = ProcessGrid(comm, dp=dp, pp=1, tp=1, cp=cp)
+        assert grid.dp_cp.size == dp * cp
+        assert grid.dp_cp.rank == grid.dp_rank * cp + grid.cp_rank
+        assert grid.cp.rank == grid.cp_rank and grid.dp.rank == grid.dp_rank
 
 
 @mpi_test
