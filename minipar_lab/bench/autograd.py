@@ -30,8 +30,9 @@ import sys
 
 import numpy as np
 
-from minipar.core import blas, nn, optim
 from minipar.core import functional as F
+from minipar.core import nn, optim
+from minipar.speed import blas
 from minipar.trainer.tasks import AdditionTask
 from minipar_lab.bench import torch_gpt
 from minipar_lab.bench.profile import MODELS
@@ -40,7 +41,7 @@ from minipar_lab.bench.timing import Progress, plus_minus, round_times, spread
 
 def hand_written_mlp_step(weights, x, y):
     """Forward and backward of Linear-GELU-...-Linear with a summed squared error, by hand, its matrix
-    products through the BLAS minipar's Linear uses (core/blas.py: NumPy's `@` by default)."""
+    products through the BLAS minipar's Linear uses (speed/blas.py: NumPy's `@` by default)."""
     activations, pre = [x], []
     h = x
     for i, (w, b) in enumerate(weights):

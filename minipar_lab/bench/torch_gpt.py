@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from minipar.core import blas, nn, optim
+from minipar.core import nn, optim
+from minipar.speed import blas
 
 
 def unavailable() -> str | None:
@@ -158,7 +159,7 @@ class TorchMLPStep:
 class LinearProducts:
     """The matrix products of `model`'s Linear layers in one training step, at its shapes, with nothing
     else: for each layer the forward x W^T and the two backward products g W and g^T x, over `tokens`
-    rows. `minipar()` runs them as minipar's Linear does (core/blas.py: NumPy's BLAS, or MKL with
+    rows. `minipar()` runs them as minipar's Linear does (speed/blas.py: NumPy's BLAS, or MKL with
     MINIPAR_BLAS=mkl); `torch()` as PyTorch does. Timed beside the two steps, they show how much of the
     gap is the BLAS library alone, which the engine itself cannot change."""
 
