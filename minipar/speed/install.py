@@ -1,12 +1,13 @@
 """Which forms of the hot kernels a run uses: the speed layer's (the default) or core's plain ones.
 
 The idea: the speed forms give the plain forms' bits (rules.py, tests/speed/test_rules.py) and keep no
-number from changing (allocator.py), so `minipar` installs them for every command at start-up;
+number from changing (allocator.py), so they are the default: `minipar` installs them for every command
+at start-up (`install_from_env`), and a training step runs inside `speed_forms()` (trainer/loop.py),
+so that a run started from Python (a test, a notebook) is as fast as one from the command line.
 MINIPAR_KERNELS=plain runs the bottom layer exactly as core writes it, to read a profile against the
 code a student reads, or to rule the speed layer out when something looks wrong. MKL (blas.py) rounds
 products in its own order, so it is installed only when MINIPAR_BLAS=mkl asks for it, and not with
-MINIPAR_KERNELS=plain. Code that calls core directly (a test, a notebook) runs the plain forms until it
-calls `install_speed_forms()`.
+MINIPAR_KERNELS=plain. Code that calls core's functions directly runs the plain forms.
 
 What it saves and costs: see rules.py, blas.py and allocator.py. Lesson: lessons/01_autograd.md
 ("The speed layer").
@@ -15,6 +16,8 @@ What it saves and costs: see rules.py, blas.py and allocator.py. Lesson: lessons
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from minipar.core import kernels
 from minipar.core.hooks import RemovableHandle
@@ -42,6 +45,20 @@ def choice_errors(environ=os.environ) -> str | None:
     if choice == "plain" and name != "numpy":
         return f"{blas.BLAS_ENV}={name} is a speed form: not with {KERNELS_ENV}=plain"
     return blas.unavailable(name)
+
+
+@contextmanager
+def speed_forms(environ=os.environ) -> Iterator[None]:
+    """The rules installed for the `with` block, unless MINIPAR_KERNELS=plain (ValueError if junk)."""
+    why = choice_errors({KERNELS_ENV: environ.get(KERNELS_ENV, "")})
+    if why:
+        raise ValueError(why)
+    handles = [] if environ.get(KERNELS_ENV) == "plain" else install_speed_forms()
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def install_from_env(environ=os.environ) -> list[RemovableHandle]:

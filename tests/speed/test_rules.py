@@ -122,19 +122,33 @@ TILED_GPT = dict(n_layer=1, d_model=192, n_head=4, steps=2, quiet=True)  # fc we
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
-def test_a_run_with_the_speed_forms_is_the_plain_runs_bit_for_bit(precision, plain_core):
+def test_a_run_with_the_speed_forms_is_the_plain_runs_bit_for_bit(precision, plain_core, monkeypatch):
+    """A training step runs the speed forms (trainer/loop.py) unless MINIPAR_KERNELS=plain: both runs
+    of a GPT whose activations and largest weights span several tiles end in the same bits."""
     cfg = TrainConfig(**TILED_GPT, precision=precision)
+    monkeypatch.setenv("MINIPAR_KERNELS", "plain")
     plain_losses, plain_state = reference_run(cfg)
-    handles = install.install_speed_forms()
-    try:
-        losses, state = reference_run(cfg)
-    finally:
-        for handle in handles:
-            handle.remove()
+    monkeypatch.delenv("MINIPAR_KERNELS")
+    calls = []
+    tiled = rules.gelu_backward
+    monkeypatch.setattr(rules, "gelu_backward", lambda x, g: calls.append(x.nbytes) or tiled(x, g))
+    losses, state = reference_run(cfg)
+    assert calls and max(calls) > tiles.CACHE_TILE_BYTES  # the speed form ran, over several tiles
+    assert all(kernels.installed(name) == [] for name in kernels.KERNELS)  # and left with the step
     assert losses == plain_losses
     assert state.keys() == plain_state.keys()
     for name, (shard, array) in state.items():
         assert shard == plain_state[name][0] and np.array_equal(array, plain_state[name][1]), name
+
+
+def test_a_step_installs_nothing_with_plain_kernels_and_refuses_junk():
+    with install.speed_forms({"MINIPAR_KERNELS": "plain"}):
+        assert all(kernels.installed(name) == [] for name in kernels.KERNELS)
+    with install.speed_forms({}):
+        assert kernels.chosen("adamw_update", None) is rules.adamw_update
+    with pytest.raises(ValueError, match="unknown kernels 'fast'"):
+        with install.speed_forms({"MINIPAR_KERNELS": "fast"}):
+            pass
 
 
 def test_the_environment_chooses_the_forms_and_a_second_choice_replaces_the_first():
