@@ -118,7 +118,8 @@ def test_installed_forms_run_in_cores_place_until_their_handles_are_removed():
         kernels.install("softmax", rules.gelu_forward)
 
 
-TILED_GPT = dict(n_layer=1, d_model=192, n_head=4, steps=2, quiet=True)  # fc weight 576 KiB in fp32
+TILED_GPT = dict(n_layer=1, d_model=192, n_head=4, batch_size=8, seq_len=16, steps=2,
+                 quiet=True)  # fp32: fc weight 576 KiB, its output 384 KiB (a tile: 256 KiB)
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
