@@ -12,7 +12,12 @@ is checked against the plain form it replaces:
 
 They reach core only through its kernel table (core/kernels.py: `install` returns a removable handle);
 core never imports this package, and a layer above it chooses (install.py: `minipar` installs the
-rules and the allocator setting at start-up unless MINIPAR_KERNELS=plain). In the layer order this
-package sits directly above core, beside distributed; it imports nothing but core.
+rules and the allocator setting at start-up, and every training step runs with the rules, unless
+MINIPAR_KERNELS=plain). In the layer order this package sits directly above core, beside
+distributed; it imports nothing but core.
+
+What it saves: about half of GELU's time, a few percent of AdamW's, a quarter of a small step's time
+in page faults, and with MKL up to a quarter of Linear's. What it costs: a second copy of each rule,
+kept equal to the first by tests/speed.
 Lesson: lessons/01_autograd.md ("The speed layer").
 """
