@@ -82,7 +82,7 @@ figures: $(INSTALLED)
 	  $(call say,figures,$$t); exit $$s
 
 # ruff (style), lint-imports (imports point down the layers, no cycles inside one: [tool.importlinter]) and
-# mypy (core, distributed, parallel: [tool.mypy]). All three run even when one fails, so one pass shows everything.
+# mypy (core, speed, distributed, parallel: [tool.mypy]). All three run even when one fails, so one pass shows everything.
 lint: $(INSTALLED)
 	@t=$$(date +%s); s=0; \
 	  $(VENV)/bin/ruff check minipar tests lessons || s=1; \

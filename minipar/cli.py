@@ -5,9 +5,10 @@ the lab's (minipar_lab, a sibling package: the reference never imports it): they
 entry points of the group `minipar.commands`, and without the lab each says so in one line, exit 2.
 Bad input ends every rank with one line naming the problem and exit code 2, before any collective:
 every rank parses and validates the same arguments on its own, so no rank waits for another. Every
-command first keeps freed memory in the process (core/allocator.py: no page faults for each step's
-fresh activations) and takes the BLAS that MINIPAR_BLAS names (core/blas.py: NumPy's by default, or
-Intel's MKL).
+command first installs the speed layer's forms of the hot kernels (minipar/speed/install.py: the
+in-place, tiled GELU and AdamW rules, which give the plain forms' bits, and freed memory kept in the
+process; MINIPAR_KERNELS=plain runs core's plain forms) and the BLAS that MINIPAR_BLAS names (NumPy's
+by default, or Intel's MKL).
 Lesson: lessons/00_overview.md.
 """
 
@@ -16,9 +17,8 @@ from __future__ import annotations
 import sys
 from importlib.metadata import entry_points
 
-from minipar.core import blas
-from minipar.core.allocator import keep_freed_memory
 from minipar.distributed.watchdog import timeout_from_env
+from minipar.speed.install import install_from_env
 from minipar.trainer import commands
 from minipar.trainer.arguments import fail
 
@@ -47,9 +47,8 @@ def main(argv=None) -> int:
             print(f"usage: minipar {{{','.join(COMMANDS)}}} [options]   (minipar COMMAND --help for details)")
             return 0
         return fail("minipar", f"choose a command: {', '.join(COMMANDS)}")
-    keep_freed_memory()
     try:
-        blas.use_from_env()
+        install_from_env()
     except ValueError as why:  # every rank reads the same variable: all of them stop here, at once
         return fail("minipar", str(why))
     if argv[0] in STARTS_RANKS:

@@ -56,6 +56,10 @@ class HookList:
         """A handle for each hook still in the list, in call order."""
         return [RemovableHandle(self, key) for key in self._hooks]
 
+    def last(self, default=None):
+        """The hook added last (not one added with `first=True` ahead of others), or `default`."""
+        return next(reversed(self._hooks.values()), default)
+
     def __iter__(self):
         return iter(list(self._hooks.values()))  # a copy: a hook may remove itself (or others) when called
 

@@ -12,10 +12,10 @@ import math
 
 import numpy
 
+from minipar.core import kernels
 from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import xp_of
 from minipar.core.tensor_ops import mul, sub, sum
-from minipar.core.tiles import in_cache_tiles
 
 GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -28,59 +28,25 @@ def _data(x):
 
 
 def gelu_forward(x):
-    """GPT-2's tanh approximation of GELU on arrays: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))."""
-    return in_cache_tiles(_gelu_forward_rule, x)
+    """GPT-2's tanh approximation of GELU on arrays: 0.5 x (1 + tanh(c (x + 0.044715 x^3))). The plain
+    form below, or the one installed for "gelu_forward" (core/kernels.py; minipar/speed: same bits)."""
+    return kernels.chosen("gelu_forward", gelu_forward_plain)(x)
 
 
-def _gelu_forward_rule(x):
-    t = _tanh_of_inner(x)
-    t += 1.0
-    half_x = 0.5 * x
-    half_x *= t
-    return half_x
+def gelu_forward_plain(x):
+    return 0.5 * x * (1.0 + xp_of(x).tanh(GELU_C * (x + 0.044715 * x * x * x)))
 
 
 def gelu_backward(x, g):
-    """g times GELU'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 0.044715 x^2), t = tanh(inner).
-
-    The plain form, one new array per operation (about twenty, each a trip through memory and, at
-    this size, fresh pages):
-        g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (c * (1.0 + 3 * 0.044715 * x * x)))
-    Here the same operations in the same order (so the same bits, tests/core/test_speed_forms.py),
-    written in place on three arrays of our own, tile by tile (core/tiles.py)."""
-    return in_cache_tiles(_gelu_backward_rule, x, g)
+    """g times GELU'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 0.044715 x^2), t = tanh(inner). The
+    plain form below, or the one installed for "gelu_backward" (core/kernels.py; minipar/speed)."""
+    return kernels.chosen("gelu_backward", gelu_backward_plain)(x, g)
 
 
-def _gelu_backward_rule(x, g):
-    xp = xp_of(x)
-    t = _tanh_of_inner(x)
-    scratch = xp.multiply(t, t)  # 1 - t t
-    xp.subtract(1.0, scratch, out=scratch)
-    slope = 0.5 * x  # 0.5 x (1 - t t), then times d_inner
-    slope *= scratch
-    d_inner = xp.multiply(x, 3 * 0.044715, out=scratch)  # c (1 + 3 0.044715 x x), in the scratch
-    d_inner *= x
-    d_inner += 1.0
-    d_inner *= GELU_C
-    slope *= d_inner
-    t += 1.0  # 0.5 (1 + t) + slope, times g
-    t *= 0.5
-    t += slope
-    if xp.result_type(t, g) != t.dtype:  # a wider gradient widens the result, as g * (...) would
-        return g * t
-    t *= g
-    return t
-
-
-def _tanh_of_inner(x):
-    """tanh(c (x + 0.044715 x x x)), computed in one new array."""
-    xp = xp_of(x)
-    inner = 0.044715 * x
-    inner *= x
-    inner *= x
-    inner += x
-    inner *= GELU_C
-    return xp.tanh(inner, out=inner)
+def gelu_backward_plain(x, g):
+    t = xp_of(x).tanh(GELU_C * (x + 0.044715 * x * x * x))
+    d_inner = GELU_C * (1.0 + 3 * 0.044715 * x * x)
+    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner)
 
 
 class GELU(Function):

@@ -11,9 +11,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from minipar.core import kernels
 from minipar.core.backend import xp_of
 from minipar.core.options import option
-from minipar.core.tiles import update_in_cache_tiles
 
 OPTIMIZERS = ("adamw", "sgd")  # `minipar train --optimizer`: AdamW or SGD (with momentum), below
 
@@ -29,36 +29,22 @@ class OptimizerOptions:
 
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
     """One AdamW step in place, in PyTorch's order of operations (decoupled decay, bias correction).
-
-    The plain form, one temporary array per operation:
-        exp_avg = beta1 * exp_avg + (1 - beta1) * grad
-        exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
-        param -= (lr / bias_correction1) * exp_avg / (sqrt(exp_avg_sq) / sqrt(bias_correction2) + eps)
-    written here on three new arrays (the plain form makes eight), tile by tile over a large buffer
-    (core/tiles.py): the same operations in the same order, so the same bits
-    (tests/core/test_speed_forms.py)."""
-    update_in_cache_tiles(_adamw_rule, param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
-                          beta2=beta2, eps=eps, weight_decay=weight_decay)
+    The plain form below, or the one installed for "adamw_update" (core/kernels.py; minipar/speed:
+    the same operations on fewer arrays, tile by tile, the same bits)."""
+    kernels.chosen("adamw_update", adamw_update_plain)(param, grad, exp_avg, exp_avg_sq, step, lr, beta1,
+                                                       beta2, eps, weight_decay)
 
 
-def _adamw_rule(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
-    xp = xp_of(param)
+def adamw_update_plain(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+    """The moments and the parameter are updated in place (they are the optimizer's state); every
+    other value is a new array."""
     param *= 1 - lr * weight_decay
-    scratch = xp.multiply(grad, 1 - beta1)
     exp_avg *= beta1
-    exp_avg += scratch
-    xp.multiply(grad, 1 - beta2, out=scratch)
-    scratch *= grad
+    exp_avg += (1 - beta1) * grad
     exp_avg_sq *= beta2
-    exp_avg_sq += scratch
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    denom = xp.sqrt(exp_avg_sq)  # a new array: exp_avg_sq's dtype may differ from grad's
-    denom /= bias_correction2**0.5
-    denom += eps
-    update = xp.multiply(exp_avg, lr / bias_correction1)
-    update /= denom
-    param -= update
+    exp_avg_sq += (1 - beta2) * grad * grad
+    denom = xp_of(exp_avg_sq).sqrt(exp_avg_sq) / (1 - beta2**step) ** 0.5 + eps
+    param -= (lr / (1 - beta1**step)) * exp_avg / denom
 
 
 def sgd_update(param, grad, momentum_buffer, lr, momentum, weight_decay):

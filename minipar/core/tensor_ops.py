@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from minipar.core import blas
+from minipar.core import kernels
 from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import xp_of
 
@@ -173,7 +173,7 @@ class Linear(Function):
     @staticmethod
     def forward(ctx, x, weight, bias=None):
         ctx.save_for_backward(x)
-        y = blas.matmul(_rows(x), weight.T)
+        y = linear_product(_rows(x), weight.T)
         if bias is not None:
             y += bias
         return y if x.ndim == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
@@ -183,10 +183,20 @@ class Linear(Function):
         (x,) = ctx.saved
         weight, bias = _data(ctx.inputs[1]), ctx.inputs[2]
         g2 = _rows(g)
-        gx = _unrows(blas.matmul(g2, weight), x) if ctx.needs_input_grad[0] else None
-        gw = blas.matmul(g2.T, _rows(x)) if ctx.needs_input_grad[1] else None
+        gx = _unrows(linear_product(g2, weight), x) if ctx.needs_input_grad[0] else None
+        gw = linear_product(g2.T, _rows(x)) if ctx.needs_input_grad[1] else None
         gb = g2.sum(axis=0) if bias is not None and ctx.needs_input_grad[2] else None
         return gx, gw, gb
+
+
+def linear_product(a, b):
+    """a @ b of two 2-D arrays, as Linear multiplies: NumPy's `@`, or the form installed for "matmul"
+    (core/kernels.py; speed/blas.py: MKL's gemm with MINIPAR_BLAS=mkl, which rounds in another order)."""
+    return kernels.chosen("matmul", _linear_product_plain)(a, b)
+
+
+def _linear_product_plain(a, b):
+    return a @ b
 
 
 def _rows(a):

@@ -14,7 +14,7 @@ What it saves: all model states shrink with N: (p+g+K)Ψ/N bytes per rank.
 What it costs: 1.5x DDP's communication. Each step gathers every unit's parameters twice (forward and
 backward) and reduce-scatters its gradients once: 3(N-1)/N·Ψ·bytes instead of 2(N-1)/N·Ψ·bytes.
 And what it frees it allocates again the next time: cheap only while the allocator keeps freed memory
-for reuse (core/allocator.py's keep_freed_memory; the lesson measures the page faults otherwise).
+for reuse (speed/allocator.py's keep_freed_memory; the lesson measures the page faults otherwise).
 
 Prefetch (the default; `--no-overlap` turns it off): as a unit's forward begins, the next unit's
 all-gather starts (non-blocking), and as its backward begins, the previous unit's; each is waited for

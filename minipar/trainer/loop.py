@@ -21,6 +21,7 @@ from minipar.distributed.faults import fault_nudge, inject_fault
 from minipar.distributed.grid import ProcessGrid
 from minipar.distributed.watchdog import set_collective_timeout
 from minipar.memory.ledger import MemoryLedger
+from minipar.speed.install import speed_forms
 from minipar.trainer import build, reference, report
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.engine import assemble_full_state
@@ -97,7 +98,8 @@ class Trainer:
         self.memory.reset_peaks()
         backend.current().sync()
         started = time.perf_counter()
-        loss = self.engine.train_step(inputs, targets, self.task.answer_positions(inputs, targets))
+        with speed_forms():  # the speed layer's forms (the same bits) unless MINIPAR_KERNELS=plain
+            loss = self.engine.train_step(inputs, targets, self.task.answer_positions(inputs, targets))
         backend.current().sync()
         elapsed = time.perf_counter() - started
         for category, held in self.engine.updater.memory().items():

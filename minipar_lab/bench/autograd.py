@@ -30,8 +30,10 @@ import sys
 
 import numpy as np
 
-from minipar.core import blas, nn, optim
 from minipar.core import functional as F
+from minipar.core import nn, optim
+from minipar.core.tensor_ops import linear_product
+from minipar.speed import blas
 from minipar.trainer.tasks import AdditionTask
 from minipar_lab.bench import torch_gpt
 from minipar_lab.bench.profile import MODELS
@@ -40,11 +42,11 @@ from minipar_lab.bench.timing import Progress, plus_minus, round_times, spread
 
 def hand_written_mlp_step(weights, x, y):
     """Forward and backward of Linear-GELU-...-Linear with a summed squared error, by hand, its matrix
-    products through the BLAS minipar's Linear uses (core/blas.py: NumPy's `@` by default)."""
+    products as minipar's Linear runs them (`linear_product`: NumPy's `@`, or MKL with MINIPAR_BLAS=mkl)."""
     activations, pre = [x], []
     h = x
     for i, (w, b) in enumerate(weights):
-        z = blas.matmul(h, w.T) + b
+        z = linear_product(h, w.T) + b
         pre.append(z)
         h = F.gelu_forward(z) if i < len(weights) - 1 else z
         activations.append(h)
@@ -53,9 +55,9 @@ def hand_written_mlp_step(weights, x, y):
     for i in reversed(range(len(weights))):
         if i < len(weights) - 1:
             g = F.gelu_backward(pre[i], g)
-        grads.append((blas.matmul(g.T, activations[i]), g.sum(axis=0)))
+        grads.append((linear_product(g.T, activations[i]), g.sum(axis=0)))
         if i:  # the data needs no gradient, and autograd does not compute one either
-            g = blas.matmul(g, weights[i][0])
+            g = linear_product(g, weights[i][0])
     return grads
 
 

@@ -8,7 +8,7 @@ same alternating rounds, the yardstick of that extra: the recomputed part's forw
 first pass runs it (graph off): the blocks for full, the attention cores for selective. A mode pays that
 forward once more and should cost about that much more. The minor page faults of a step (fresh pages
 the kernel hands out) show what else differs between the modes: under glibc's defaults
-(MINIPAR_SYSTEM_MALLOC=1; the command line otherwise keeps freed memory, core/allocator.py) malloc
+(MINIPAR_SYSTEM_MALLOC=1; the command line otherwise keeps freed memory, speed/allocator.py) malloc
 returns a freed large block to the kernel, so a mode that keeps more activations also touches more
 fresh pages each step (lessons/01_autograd.md measures it both ways).
 Lesson: lessons/01_autograd.md.

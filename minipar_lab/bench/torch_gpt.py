@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from minipar.core import blas, nn, optim
+from minipar.core import nn, optim
+from minipar.core.tensor_ops import linear_product
 
 
 def unavailable() -> str | None:
@@ -158,7 +159,7 @@ class TorchMLPStep:
 class LinearProducts:
     """The matrix products of `model`'s Linear layers in one training step, at its shapes, with nothing
     else: for each layer the forward x W^T and the two backward products g W and g^T x, over `tokens`
-    rows. `minipar()` runs them as minipar's Linear does (core/blas.py: NumPy's BLAS, or MKL with
+    rows. `minipar()` runs them as minipar's Linear does (`linear_product`: NumPy's BLAS, or MKL with
     MINIPAR_BLAS=mkl); `torch()` as PyTorch does. Timed beside the two steps, they show how much of the
     gap is the BLAS library alone, which the engine itself cannot change."""
 
@@ -175,7 +176,7 @@ class LinearProducts:
 
     def minipar(self) -> None:
         for x, w, g in self.layers:
-            blas.matmul(x, w.T), blas.matmul(g, w), blas.matmul(g.T, x)
+            linear_product(x, w.T), linear_product(g, w), linear_product(g.T, x)
 
     def torch(self) -> None:
         if self.torch_layers is None:  # round_times' untimed warm-up makes this first call

@@ -4,7 +4,7 @@ allocator has to do with it.
 Runs `minipar train` at --dp 2 (default GPT, batch 32) four ways: DDP and ZeRO-3, each with overlap
 (bucket all-reduces from the backward hooks; prefetched gathers) and with --no-overlap, taking turns
 in every round (timing.py: alternating rounds, medians after the warm-up steps). Each way runs twice
-per round: as `minipar train` runs (freed host memory kept by malloc for reuse, core/allocator.py) and
+per round: as `minipar train` runs (freed host memory kept by malloc for reuse, speed/allocator.py) and
 under MINIPAR_SYSTEM_MALLOC=1 (glibc's defaults: a free top of the heap goes back to the system, and
 its pages are faulted in again at their next use). A row shows rank 0's median tokens/s and
 comm_wait_s, its speed against DDP's (the median over rounds of that round's ratio) and the minor

@@ -5,7 +5,7 @@ same gradients. Skipped where PyTorch is not installed (CI); there the bench say
 import numpy as np
 import pytest
 
-from minipar.core import blas, nn
+from minipar.core import kernels, nn
 from minipar.core.autograd import Tensor
 from minipar.trainer.tasks import AdditionTask
 from minipar_lab.bench import autograd, torch_gpt
@@ -83,18 +83,18 @@ def test_mlp_ratios_are_medians_of_per_round_ratios():
     assert f["minipar_s"] == 2.0
 
 
-def recorded_products(monkeypatch) -> list:
-    """Every product through core/blas.py's matmul from now on, as (a, b, a @ b), in order (a copy of
-    the product: Linear adds its bias into the very array)."""
-    calls, matmul = [], blas.matmul
+def recorded_products() -> tuple[list, object]:
+    """Every product through Linear's kernel (core/kernels.py's "matmul", `tensor_ops.linear_product`)
+    while the handle returned is in place, as (a, b, a @ b), in order (a copy of the product: Linear
+    adds its bias into the very array)."""
+    calls, matmul = [], kernels.chosen("matmul", lambda a, b: a @ b)
 
     def recording(a, b):
         product = matmul(a, b)
         calls.append((a, b, product.copy()))
         return product
 
-    monkeypatch.setattr(blas, "matmul", recording)
-    return calls
+    return calls, kernels.install("matmul", recording)
 
 
 def layout(a) -> tuple:
@@ -102,7 +102,7 @@ def layout(a) -> tuple:
     return a.shape, a.dtype, a.strides
 
 
-def test_linear_products_are_the_models_linear_products(monkeypatch):
+def test_linear_products_are_the_models_linear_products():
     """The bench times LinearProducts as the BLAS library's share of a step, so they must be the very
     products the model's Linear layers run: per layer x W^T forward, g W and g^T x backward, on operands
     in the same layouts (a transposed operand is another BLAS call, at another speed). The layers'
@@ -117,13 +117,14 @@ def test_linear_products_are_the_models_linear_products(monkeypatch):
         assert w is linear.weight.data and x.shape == (5, w.shape[1]) and g.shape == (5, w.shape[0])
         assert x.dtype == g.dtype == np.float32
     if torch_gpt.unavailable() is None:
-        products.torch()  # runs (PyTorch's products are its own: no blas.matmul)
-    calls = recorded_products(monkeypatch)
-    products.minipar()
-    bench = calls.copy()
-    calls.clear()
-    for (x, _, g), linear in zip(products.layers, linears):
-        linear(Tensor(x, requires_grad=True)).backward(g)  # y, then gx and gW: three products
+        products.torch()  # runs (PyTorch's products are its own: no linear_product)
+    calls, recording = recorded_products()
+    with recording:
+        products.minipar()
+        bench = calls.copy()
+        calls.clear()
+        for (x, _, g), linear in zip(products.layers, linears):
+            linear(Tensor(x, requires_grad=True)).backward(g)  # y, then gx and gW: three products
     reference = calls
     assert len(bench) == len(reference) == 3 * len(linears)
     for i, (x, w, g) in enumerate(products.layers):

@@ -1,9 +1,9 @@
-"""The faster forms of the hot kernels give the same bits as their plain forms, written out here.
+"""Core's kernels give the same bits as their plain forms, written out here.
 
-GELU's forward and backward, Softmax, LayerNorm and AdamW's update were rewritten in place (fewer
-temporaries), and GELU and AdamW run tile by tile over arrays larger than a tile (core/tiles.py); each
-must equal, bit for bit, the plain one-temporary-per-operation form below, in fp64 and fp32, on small
-arrays and on arrays of several tiles and a partial one. Linear folds its leading axes into one 2-D
+GELU's forward and backward and AdamW's update are core's plain forms (the speed layer's in-place,
+tiled forms are checked against them in tests/speed/test_rules.py); Softmax and LayerNorm are written
+in place (fewer temporaries), and the causal softmax is one op: each must equal, bit for bit, the plain
+one-temporary-per-operation form below, in fp64 and fp32. Linear folds its leading axes into one 2-D
 matrix product: that is its definition now, and it agrees with NumPy's batched product to rounding
 (not always bit for bit: see the test). The memory ledger's running device total must equal the sum
 of its current device bytes after any sequence of sets.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from minipar.core import functional as F
-from minipar.core import optim, tiles
+from minipar.core import optim
 from minipar.core.autograd import Tensor
 from minipar.memory.ledger import CATEGORIES, TIERS, MemoryLedger
 
@@ -44,7 +44,7 @@ def plain_adamw(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gelu_in_place_forms_give_the_plain_forms_bits(dtype):
+def test_cores_gelu_forms_give_the_plain_forms_bits(dtype):
     rng = np.random.default_rng(0)
     x = (3 * rng.standard_normal((7, 33))).astype(dtype)
     g = rng.standard_normal((7, 33)).astype(dtype)
@@ -56,33 +56,6 @@ def test_gelu_in_place_forms_give_the_plain_forms_bits(dtype):
     assert np.array_equal(x, x_before)  # the saved input is read, never written
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gelu_over_several_tiles_gives_the_plain_forms_bits(dtype):
-    rng = np.random.default_rng(5)
-    x = (3 * rng.standard_normal((9, 6 * 4099))).astype(dtype)  # 3.4 to 6.8 tiles, the last partial
-    g = rng.standard_normal(x.shape).astype(dtype)
-    assert x.nbytes > 2 * tiles.CACHE_TILE_BYTES and x.size % (tiles.CACHE_TILE_BYTES // x.itemsize)
-    assert np.array_equal(F.gelu_forward(x), plain_gelu(x))
-    assert np.array_equal(F.gelu_backward(x, g), plain_gelu_backward(x, g))
-    strided = x[:, ::2]  # not contiguous: one call on the whole array, the same bits
-    assert np.array_equal(F.gelu_backward(strided, g[:, ::2]), plain_gelu_backward(strided, g[:, ::2]))
-
-
-def test_tiles_cover_every_element_once_in_order():
-    x = np.arange(2.5 * tiles.CACHE_TILE_BYTES / 8)  # float64: two whole tiles and half of one
-    seen = []
-
-    def rule(part):
-        seen.append((part[0], part.size))
-        return -part
-
-    assert np.array_equal(tiles.in_cache_tiles(rule, x), -x)
-    step = tiles.CACHE_TILE_BYTES // 8
-    assert seen == [(0.0, step), (float(step), step), (float(2 * step), step // 2)]
-    assert tiles.in_cache_tiles(lambda part: seen.append(part.size) or part, x[:step]) is not None
-    assert seen[-1] == step  # one tile or less: one call on the whole array
-
-
 def test_gelu_backward_keeps_a_wider_gradients_dtype():
     x = np.linspace(-3, 3, 11, dtype=np.float32)
     g = np.ones(11)
@@ -90,8 +63,8 @@ def test_gelu_backward_keeps_a_wider_gradients_dtype():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [257, 100_003])  # within one tile, and over several and a partial one
-def test_adamw_in_place_gives_the_plain_forms_bits(dtype, n):
+@pytest.mark.parametrize("n", [257, 100_003])  # small, and over several tiles (tests/speed: the tiled form)
+def test_cores_adamw_gives_the_plain_forms_bits(dtype, n):
     rng = np.random.default_rng(1)
     fast = [rng.standard_normal(n).astype(dtype) for _ in range(3)] + [np.zeros(n, dtype)]
     plain = [a.copy() for a in fast]

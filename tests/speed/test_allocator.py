@@ -15,7 +15,7 @@ PAGES = STEPS * sum(n * 8 // 4096 for n in SIZES)  # every page of every array, 
 SCRIPT = f"""
 import resource, sys
 import numpy as np
-from minipar.core.allocator import keep_freed_memory
+from minipar.speed.allocator import keep_freed_memory
 print(keep_freed_memory())
 def step():
     arrays = [np.ones(n) for n in {SIZES}]  # every page written

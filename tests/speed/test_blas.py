@@ -1,4 +1,4 @@
-"""Linear's products through the BLAS that MINIPAR_BLAS names (core/blas.py).
+"""Linear's products through the BLAS that MINIPAR_BLAS names (speed/blas.py).
 
 By default `blas.matmul` is NumPy's `@`, bit for bit. With MKL (an optional package: these tests skip
 where it is not installed, as in CI) every operand layout Linear uses (C-contiguous, the transpose of
@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from minipar.core import blas
+from minipar.speed import blas
 from minipar.trainer.launch import mpiexec
 
 needs_mkl = pytest.mark.skipif(blas.mkl_library() is None,

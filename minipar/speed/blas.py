@@ -8,22 +8,26 @@ rather than their BLAS libraries, or just to train faster on Intel, `MINIPAR_BLA
 `pip install mkl`, never in `make setup` nor CI). Everything else stays NumPy: batched products
 (attention), elementwise rules and reductions.
 
-What it costs: nothing by default (`matmul` is `a @ b`). With MKL the bits of a product differ from
-OpenBLAS's in the last place, as two BLAS libraries add in different orders; every layout runs the
-same library, so the exactness contract holds (tests/core/test_blas.py). One BLAS thread per process,
-as with OpenBLAS. Lesson: lessons/01_autograd.md ("Against PyTorch").
+What it costs: nothing by default (nothing is installed: core's Linear multiplies with `a @ b`). With
+MKL the bits of a product differ from OpenBLAS's in the last place, as two BLAS libraries add in
+different orders: the one form of the speed layer that does not give the plain form's bits, so it is
+chosen only by option. Every layout runs the same library, so the exactness contract holds
+(tests/speed/test_blas.py). One BLAS thread per process, as with OpenBLAS. `use("mkl")` installs
+`matmul` as core's "matmul" kernel (core/kernels.py); `use("numpy")` removes it. Lesson:
+lessons/01_autograd.md ("The speed layer").
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 from pathlib import Path
 
 import numpy
 
+from minipar.core import kernels
 from minipar.core.backend import xp_of
+from minipar.core.hooks import RemovableHandle
 
 BLAS_ENV = "MINIPAR_BLAS"
 BLAS_NAMES = ("numpy", "mkl")
@@ -33,6 +37,7 @@ ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 # numpy dtype -> (MKL's cblas_?gemm, alpha 1 and beta 0 in its real type), filled by use("mkl"); empty:
 # NumPy's BLAS
 _gemm: dict = {}
+_installed: list[RemovableHandle] = []  # the handle of `matmul` in core's kernel table while MKL is in use
 # A call through ctypes costs about 4 us; below this many multiply-adds (a 128 x 128 x 128 product, about
 # 25 us on one core) MKL saves less than that, and NumPy's `@` multiplies instead. At least 1, so that
 # an empty product never reaches MKL
@@ -60,6 +65,8 @@ def use(name: str) -> None:
     if reason:
         raise ValueError(reason)
     _gemm.clear()
+    while _installed:
+        _installed.pop().remove()
     if name == "mkl":
         lib = ctypes.CDLL(str(mkl_library()))
         lib.MKL_Set_Num_Threads(1)  # one BLAS thread per process, as OPENBLAS_NUM_THREADS=1
@@ -67,13 +74,7 @@ def use(name: str) -> None:
                                       (numpy.float64, lib.cblas_dgemm, ctypes.c_double)):
             function.restype = None  # its arguments are wrapped by hand in matmul: cheaper than argtypes
             _gemm[numpy.dtype(dtype)] = (function, real(1.0), real(0.0))
-
-
-def use_from_env() -> None:
-    """`use` the BLAS that MINIPAR_BLAS names, if it names one (the command line calls it at start)."""
-    name = os.environ.get(BLAS_ENV)
-    if name:
-        use(name)
+        _installed.append(kernels.install("matmul", matmul))
 
 
 def current() -> str:

@@ -5,14 +5,13 @@ backward makes about fifteen, AdamW's update about twelve. Over an array larger 
 pass is a trip to memory; run on one tile of about CACHE_TILE_BYTES at a time, all the passes over that
 tile but the first find it in the cache. This is lesson 10's fused kernel on a CPU, written by hand for
 the two hot rules. Every element meets the same operations in the same order, so the bits are those of
-one call on the whole arrays (tests/core/test_speed_forms.py).
+one call on the whole arrays (tests/speed/test_rules.py).
 
 What it saves: about half of GELU's time on the wide GPT's (16, 64, 1024) activations; AdamW's update,
-memory-bound inside a real step, only about 5% (11.5 to 11.0 ms on the wide GPT; lesson 01, "The
-cuts"). What it costs: one Python
-loop step per tile (tiles are not tiny for that reason), and nothing at all below one tile. LayerNorm
-and softmax are not tiled: the default GPT's arrays are under a tile, and on the wide GPT LayerNorm in
-row tiles, tried, ran faster alone but made no faster step (lesson 01, exercise 12).
+memory-bound inside a real step, only about 5% (lesson 01, "The speed layer"). What it costs: one
+Python loop step per tile (tiles are not tiny for that reason), and nothing at all below one tile.
+LayerNorm and softmax are not tiled: the default GPT's arrays are under a tile, and on the wide GPT
+LayerNorm in row tiles, tried, ran faster alone but made no faster step.
 On a GPU (CuPy arrays) each rule runs on the whole arrays: there is no cache to fit. Lesson:
 lessons/01_autograd.md.
 """

@@ -1,4 +1,4 @@
-"""Keep freed memory: glibc's malloc set up the way a training loop wants it (lesson 01, recomputation).
+"""Keep freed memory: glibc's malloc set up the way a training loop wants it (lesson 01, "The speed layer").
 
 The idea: a training step frees its activations at the end of backward and allocates the same sizes
 again in the next forward. By default glibc serves a large allocation with a fresh mapping and gives
@@ -10,8 +10,9 @@ PyTorch's caching allocator keeps GPU memory for the next step.
 What it saves: the default GPT's step takes about 3,800 page faults on one process, 5.6 ms of 22 ms
 (`python -m minipar bench recompute` shows the page faults of a step). What it costs: the process
 holds its peak of freed memory until it ends (the memory ledger, which counts what is alive, is not
-affected). The command line calls `keep_freed_memory()` once at start-up; `MINIPAR_SYSTEM_MALLOC=1`
-leaves malloc as it was, and so does a C library without `mallopt` (macOS).
+affected). The command line calls `keep_freed_memory()` once at start-up (install.py), unless
+MINIPAR_KERNELS=plain; `MINIPAR_SYSTEM_MALLOC=1` leaves malloc as it was, and so does a C library
+without `mallopt` (macOS).
 """
 
 from __future__ import annotations
