@@ -41,7 +41,10 @@ def inject_fault(rank: int, what: str, **where) -> None:
     MINIPAR_FAULT=rank:R,step:S raises on rank R at step S (trainer/loop.py: where = step=S);
     rank:R,step:S,stall:stop stops that rank there instead (SIGSTOP: the watchdog's test);
     rank:R,save:PHASE raises on rank R halfway through writing its checkpoint file (PHASE shard) or the
-    manifest (PHASE manifest, checkpoint/sharded.py: where = save=PHASE). `what` says where, in the error."""
+    manifest (PHASE manifest, checkpoint/sharded.py: where = save=PHASE);
+    rank:R,startup:validate (or load),stall:stop stops rank R while it validates its input
+    (trainer/commands.py) or loads the checkpoint (trainer/loop.py): the watched start-up's test.
+    `what` says where, in the error."""
     spec = os.environ.get("MINIPAR_FAULT", "")
     fault = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)
     named = {"rank": rank, **where}

@@ -129,10 +129,12 @@ def collective_timeout() -> float:
 
 @contextlib.contextmanager
 def watching(op: str, name: str, ranks: list[int], rank: int):
-    """Run the body (one blocking MPI call) as the wait the watchdog watches."""
+    """Run the body (one blocking MPI call, or a stretch of start-up that ends in one) as the wait the
+    watchdog watches; inside another, the outer one is watched again (from its own start) afterwards."""
     WATCHDOG.start(rank)
+    outer = WATCHDOG.current  # a wait inside a watched stretch (the start-up's, the load's) gives it back
     WATCHDOG.current = (op, name, ranks, time.monotonic())
     try:
         yield
     finally:
-        WATCHDOG.current = None
+        WATCHDOG.current = outer

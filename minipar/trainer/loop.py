@@ -34,6 +34,9 @@ def make_task(cfg: TrainConfig):
     return RegressionTask(mcfg.d_in, mcfg.d_out, cfg.seed, cfg.dtype)  # batches in the model's dtype
 
 
+LOADING = "loading the checkpoint (every rank reads its pieces, then a barrier)"  # the watchdog's line
+
+
 class RunStopped(Exception):
     """The run ended early for a reason one line says (a loss that is not finite, a log that could
     not be written); `minipar train` prints it on rank 0 and exits 1."""
@@ -69,7 +72,7 @@ class Trainer:
             print(self.grid.describe(), flush=True)
         self.task = make_task(cfg)
         # --resume: the state of step N from a checkpoint of any layout; the run continues at step N
-        self.start_step = checkpoint.load(cfg.resume, self.engine) if cfg.resume else 0
+        self.start_step = self.load(cfg.resume) if cfg.resume else 0
         self.records: list[dict] = []
         # --allow-changes: what the resumed run changes (lr, weight decay, batch), in its first record
         self.changes = checkpoint.changes_on_resume(cfg.resume, cfg) if cfg.resume else {}
@@ -80,6 +83,15 @@ class Trainer:
         # --check-reference: every weight after step min(20, steps), before training amplifies roundoff
         self.snapshot_at = reference.horizon(cfg.steps) if cfg.check_reference else None
         self.snapshot: dict | None = None
+
+    def load(self, directory: str) -> int:
+        """The checkpoint's state into the engine, under the watchdog: a rank stuck reading its files
+        leaves the others in the barrier after the load, which the watchdog ends in the timeout."""
+        with self.world.watch(LOADING):
+            inject_fault(self.world.rank, "while loading the checkpoint", startup="load")  # tests
+            step = checkpoint.load(directory, self.engine)
+            self.world.mpi.Barrier()
+        return step
 
     @property
     def is_rank0(self) -> bool:

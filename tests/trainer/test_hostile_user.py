@@ -19,6 +19,7 @@ import sys
 import time
 
 import numpy as np
+import pace
 import pytest
 from mpi4py import MPI
 from test_reliability import MPIEXEC, ROOT, SMALL, SMALL_CFG, minipar_train
@@ -272,13 +273,40 @@ def test_spawns_mpiexec_ctrl_c_reaches_a_rank_blocked_inside_mpi():
 
 
 def test_spawns_mpiexec_a_stalled_rank_ends_the_job_within_the_timeout():
-    """Rank 1 stops itself (SIGSTOP) at step 2: rank 0 waits in the dp all-reduce of its gradients."""
+    """Rank 1 stops itself (SIGSTOP) at step 2: rank 0 waits in the dp all-reduce of its gradients.
+    The job takes the timeout and a start-up at this machine's pace (tests/pace.py), not until
+    mpiexec's own timeout (90 s)."""
     fault = {"MINIPAR_FAULT": "rank:1,step:2,stall:stop"}
     result, seconds = minipar_train("--steps", "5", "--quiet", "--collective-timeout", "2", env=fault)
-    assert result.returncode != 0 and 2 <= seconds < 2 + 10, (seconds, result.stderr)
+    assert result.returncode != 0 and 2 <= seconds < 2 + pace.allowance(), (seconds, result.stderr)
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("minipar: error: rank 0 waited 2 s in all_reduce on communicator 'dp' "
                            "(world ranks [0, 1]), past --collective-timeout 2")
+
+
+@pytest.mark.parametrize("where, waiting", [
+    ("validate", "the start-up check (every rank validates its input, then allgather of the verdicts)"),
+    ("load", "loading the checkpoint (every rank reads its pieces, then a barrier)")])
+def test_spawns_mpiexec_a_rank_stuck_at_start_up_ends_the_job_within_the_timeout(tmp_path, where, waiting):
+    """Ranks that see different inputs (rank 1 alone is told to resume, as a path on no shared file
+    system would differ), and rank 1 stops (SIGSTOP) while it validates its input, or while it loads
+    the checkpoint: rank 0 waits in the verdicts' allgather, or in the barrier after the load. Both
+    used to run before the watchdog watched anything, so the job hung until mpiexec's timeout."""
+    base = [sys.executable, "-m", "minipar", "train", *SMALL, "--steps", "4", "--quiet",
+            "--collective-timeout", "2"]
+    one_process(SMALL_CFG.replace(steps=2, save=str(tmp_path))).run()
+    resume = ["--resume", str(tmp_path)]
+    rank_0 = [*base, *(resume if where == "load" else [])]
+    command = [MPIEXEC, "-n", "1", *rank_0, ":", "-n", "1", *base, *resume]
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "MPIEXEC_TIMEOUT": "90",
+                                 "MINIPAR_FAULT": f"rank:1,startup:{where},stall:stop"})
+    seconds = time.monotonic() - started
+    assert result.returncode != 0 and 2 <= seconds < 2 + pace.allowance(), (seconds, result.stderr)
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"minipar: error: rank 0 waited 2 s in {waiting} on communicator 'world' "
+                           "(world ranks [0, 1]), past --collective-timeout 2"), line
 
 
 def test_spawns_mpiexec_the_watchdog_does_not_fire_while_rank_0_checks_the_reference():
