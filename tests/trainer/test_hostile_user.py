@@ -262,6 +262,55 @@ def test_spawns_mpiexec_ctrl_c_ends_every_rank_with_one_line_and_exit_130():
     assert sorted(stderr.strip().splitlines()) == [f"minipar train: interrupted (rank {r})" for r in (0, 1)]
 
 
+def ranks_of(launcher: int) -> list[int]:
+    """The process ids of the Python processes under mpiexec `launcher` (its proxy's children)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError):
+            continue
+    below, found = {launcher}, True
+    while found:
+        found = {pid for pid, parent in parents.items() if parent in below} - below
+        below |= found
+    return [pid for pid in below - {launcher} if "python" in _read(f"/proc/{pid}/cmdline")]
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def test_spawns_mpiexec_ctrl_c_while_the_ranks_are_importing_ends_each_with_one_line_and_exit_130():
+    """The signal goes out as soon as both ranks have NumPy's core mapped, i.e. while they import (NumPy,
+    then mpi4py and MPI's start; on any machine's pace: the moment is observed, not guessed). Each rank
+    used to die in a KeyboardInterrupt traceback (python -m minipar imported NumPy with the package,
+    before any handler could run), and mpiexec exited 1 or 2."""
+    command = [MPIEXEC, "-n", "2", sys.executable, "-m", "minipar", "train", *SMALL, "--steps", "100000"]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                           env={**os.environ, "MPIEXEC_TIMEOUT": "60"})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and job.poll() is None:
+            ranks = ranks_of(job.pid)
+            if len(ranks) == 2 and all("_multiarray_umath" in _read(f"/proc/{pid}/maps") for pid in ranks):
+                break
+            time.sleep(0.005)
+        job.send_signal(signal.SIGINT)  # mpiexec passes it to every rank, as a terminal's Ctrl-C does
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 130 and "Traceback" not in stderr, (job.returncode, stderr)
+    assert sorted(stderr.strip().splitlines()) == [f"minipar train: interrupted (rank {r})" for r in (0, 1)]
+    # it never trained: the grid's line is the first thing rank 0 prints (mpiexec says it passed Ctrl-C on)
+    assert [line for line in stdout.splitlines() if not line.startswith("[mpiexec@")] == [], stdout
+
+
 def test_spawns_mpiexec_ctrl_c_reaches_a_rank_blocked_inside_mpi():
     """Rank 1 stops at step 1, so rank 0 sits inside MPI_Allreduce, where KeyboardInterrupt cannot
     reach it: the watchdog thread, woken by the signal's byte on its pipe, ends it in one line."""
