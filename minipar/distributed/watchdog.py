@@ -59,7 +59,8 @@ def timeout_from_env() -> float:
 
 
 class Watchdog:
-    """The one wait in progress on this process's main thread, and the thread that watches it."""
+    """The one wait in progress on this process's main thread, and the thread that watches it.
+    `reporters`: callables given the stall's line before the process ends (tests/mpi_harness.py's)."""
 
     def __init__(self):
         try:
@@ -70,6 +71,9 @@ class Watchdog:
         self.rank = 0
         self.thread: threading.Thread | None = None
         self.interrupts: int | None = None  # the pipe the C-level signal handler writes to
+        # where the line goes too, before the process ends: a test harness whose pytest captures
+        # stderr (into a file os._exit never shows) gives the terminal, and says which test it was
+        self.reporters: list = []
 
     def start(self, rank: int) -> None:
         if self.thread is None:
@@ -91,9 +95,12 @@ class Watchdog:
 
     def stalled(self, op: str, name: str, ranks: list[int], started: float) -> None:
         waited = time.monotonic() - started
-        end(f"minipar: error: rank {self.rank} waited {waited:.0f} s in {op} on communicator {name!r} "
-            f"(world ranks {ranks}), past --collective-timeout {self.timeout_s:g}: a rank of it stalled "
-            "or died\n", 1)
+        line = (f"minipar: error: rank {self.rank} waited {waited:.0f} s in {op} on communicator {name!r} "
+                f"(world ranks {ranks}), past --collective-timeout {self.timeout_s:g}: a rank of it "
+                "stalled or died\n")
+        for report in self.reporters:
+            report(line)
+        end(line, 1)
 
     def interrupted(self) -> None:
         time.sleep(INTERRUPT_GRACE_S)
