@@ -49,7 +49,7 @@ def test_spawns_mpiexec_ranks_that_disagree_about_their_input_all_exit_2():
     started = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT,
                             env={**os.environ, "MPIEXEC_TIMEOUT": "20"})
-    assert result.returncode == 2 and time.monotonic() - started < 15, result.stderr
+    assert result.returncode == 2 and time.monotonic() - started < pace.allowance(), result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 2 and all("the folder /missing/folder does not exist" in line for line in lines)
     assert sum("(on rank 1)" in line for line in lines) == 1 and result.stdout == ""
@@ -121,7 +121,7 @@ def test_moe_options_typed_without_model_moe_are_one_line_and_exit_2():
 
 def test_spawns_mpiexec_a_huge_size_is_refused_at_once_not_run_for_hours():
     result, seconds = minipar_train("--n-layer", "100000000")
-    assert result.returncode == 2 and seconds < 20
+    assert result.returncode == 2 and seconds < pace.allowance()
     assert result.stderr.count("the model and batch need at least") == 2 and "Traceback" not in result.stderr
 
 
@@ -189,7 +189,7 @@ def test_spawns_mpiexec_a_second_job_saving_to_a_held_folder_is_refused(tmp_path
     try:
         assert holder.stdout.readline().strip() == "held"
         result, seconds = minipar_train("--steps", "1", "--save", str(tmp_path))
-        assert result.returncode == 2 and seconds < 20, result.stderr
+        assert result.returncode == 2 and seconds < pace.allowance(), result.stderr
         assert result.stderr.count(f"--save {tmp_path} is in use: another run is saving there") == 2
         assert result.stderr.count("(on rank 0)") == 1 and list(tmp_path.iterdir()) == []
     finally:
