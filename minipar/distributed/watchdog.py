@@ -38,6 +38,7 @@ import time
 TIMEOUT_ENV = "MINIPAR_COLLECTIVE_TIMEOUT"  # the default of --collective-timeout (tests set ~30 s)
 DEFAULT_TIMEOUT_S = 600.0
 TICK_S = 0.1  # how often the thread looks: a stall is noticed within a tick of the timeout
+STALL_EXIT = 75  # the process's code when a wait ran past the timeout: `minipar launch` restarts on it
 INTERRUPT_GRACE_S = 0.5  # Ctrl-C: how long the main thread has to raise KeyboardInterrupt itself
 
 
@@ -100,7 +101,7 @@ class Watchdog:
                 "stalled or died\n")
         for report in self.reporters:
             report(line)
-        end(line, 1)
+        end(line, STALL_EXIT)  # its own code (sysexits' EX_TEMPFAIL): a restart may cure it, unlike 1 or 2
 
     def interrupted(self) -> None:
         time.sleep(INTERRUPT_GRACE_S)
