@@ -126,6 +126,25 @@ def test_a_smaller_world_shrinks_dp_alone_and_never_below_min_ranks(tmp_path):
                        "replica) fits on at least --min-ranks 3")
 
 
+def test_no_process_of_the_old_job_is_left_before_a_relaunch(tmp_path, monkeypatch):
+    """The old job's group (here a shell and its child, both ignoring SIGTERM, as a rank stuck in a
+    system call would be deaf to it) is gone after end_group: TERM, then KILL once the grace is over;
+    wait_until_gone then finds no live process of it and the save folder's lock free."""
+    monkeypatch.setattr(elastic, "TERM_GRACE_S", 0.5)
+    job = elastic.Job(train_command(2, "--save", str(tmp_path), "--save-every", "5"))
+    args = elastic.parse(["--max-restarts", "1", "--", *job.command])[0]
+    supervisor = elastic.Supervisor(args, job, elastic.train_config(job))
+    old = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 60 & echo $!; wait"], stdout=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    child = int(old.stdout.readline())
+    supervisor.group = old.pid
+    assert elastic.group_alive(old.pid)
+    supervisor.end_group()
+    old.wait(timeout=10)
+    assert not elastic.group_alive(old.pid) and supervisor.wait_until_gone() is None
+    assert not os.path.exists(f"/proc/{child}") or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
 def test_launch_refuses_a_job_it_could_not_restart(capsys):
     train = ["mpiexec", "-n", "2", "python", "-m", "minipar", "train", "--steps", "4"]
     assert elastic.launch_main(["--max-restarts", "2", "--", *train]) == 2
