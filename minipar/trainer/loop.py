@@ -80,6 +80,7 @@ class Trainer:
             changed = ", ".join(f"{key} {saved} -> {now}" for key, (saved, now) in self.changes.items())
             print(f"resumed with changes: {changed}", flush=True)
         self.log_error: str | None = None  # a failed write to --log: reported once the run is saved
+        self.pending_save = None  # --save-async: the save whose files a thread is writing
         # --check-reference: every weight after step min(20, steps), before training amplifies roundoff
         self.snapshot_at = reference.horizon(cfg.steps) if cfg.check_reference else None
         self.snapshot: dict | None = None
@@ -162,9 +163,11 @@ class Trainer:
                 done = step + 1
                 if done == self.snapshot_at:
                     self.snapshot = self.full_state()  # a collective, like the final one
+                if self.cfg.save_async:  # commit the save in flight if every rank's writer is done
+                    self.pending_save = self.settle(self.pending_save)
                 if self.cfg.save and self.cfg.save_every and done % self.cfg.save_every == 0 \
                         and done < self.cfg.steps:
-                    self.save(done)
+                    self.save(done, in_background=self.cfg.save_async)
         finally:
             self.close_log(log)
         if self.cfg.save:
@@ -177,10 +180,23 @@ class Trainer:
             print(f"--device-mem-mb auto: {record['offload']['budget_bytes'] / 2**20:.4f} MiB, the least "
                   "the warm-up step needs", flush=True)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, in_background: bool = False) -> None:
+        """Save after `step` steps; --save-async: the last save in flight is committed first (at most one
+        in flight), and this one's files are written by a thread (checkpoint/sharded.py start_save)."""
+        keep = self.cfg.keep_last or 1
         try:
-            checkpoint.save(self.cfg.save, self.engine, step, keep=self.cfg.keep_last or 1)
+            self.pending_save = checkpoint.finish_save(self.pending_save, self.engine, wait=True)
+            if in_background:
+                self.pending_save = checkpoint.start_save(self.cfg.save, self.engine, step, keep=keep)
+            else:
+                checkpoint.save(self.cfg.save, self.engine, step, keep=keep)
         except checkpoint.SaveFailed as failure:  # every rank, together: one line, like a failed log write
+            raise RunStopped(str(failure)) from None
+
+    def settle(self, pending):
+        try:
+            return checkpoint.finish_save(pending, self.engine)
+        except checkpoint.SaveFailed as failure:  # the writer's error, at the next step boundary
             raise RunStopped(str(failure)) from None
 
     def open_log(self):
