@@ -158,9 +158,10 @@ class Supervisor:
                 fruitless = 0
             committed = newest
             if fruitless >= self.args.max_restarts:
+                why = "no restart is allowed" if self.args.max_restarts == 0 else \
+                    f"{fruitless} restart(s) in a row committed no new step"
                 sys.stderr.write(f"{PROG}: error: the job ended with exit code {code} ({cause(code)}) and "
-                                 f"{fruitless} restart(s) in a row committed no new step (--max-restarts "
-                                 f"{self.args.max_restarts}): stopping\n")
+                                 f"{why} (--max-restarts {self.args.max_restarts}): stopping\n")
                 return CRASH_LOOP_EXIT
             attempt += 1
             job, problem = self.next_job(attempt, code)
