@@ -216,8 +216,10 @@ def commit(directory: Path, engine, step: int, folder: str, files: list, keep: i
     `scaler`: the loss scaler's state at the step saved, where that was not now (--save-async)."""
     manifest = build_manifest(engine, step, folder, files, scaler)
     text = manifest_text(manifest).encode()
+    inject_fault(0, "between the shards and the manifest", save="shards-written")  # tests: a kill here
     write_atomically(directory / folder / MANIFEST, text, 0, "manifest")  # --resume DIR/step-...
     write_atomically(directory / MANIFEST, text, 0, "manifest")  # the commit point
+    inject_fault(0, "before pruning", save="committed")  # tests: a kill between the commit and the pruning
     remove_old_folders(directory, keep)
 
 
@@ -296,6 +298,7 @@ def write_atomically(path: Path, data: bytes, rank: int, phase: str) -> None:
         f.write(data[len(data) // 2 :])
         f.flush()
         os.fsync(f.fileno())
+    inject_fault(rank, f"before renaming its {phase}", save=f"{phase}-fsynced")  # tests: written, not renamed
     os.replace(temporary, path)
     fsync_directory(path.parent)  # the rename itself reaches the disk
 

@@ -42,7 +42,8 @@ def inject_fault(rank: int, what: str, **where) -> None:
     MINIPAR_FAULT=rank:R,step:S raises on rank R at step S (trainer/loop.py: where = step=S);
     rank:R,step:S,stall:stop stops that rank there instead (SIGSTOP: the watchdog's test);
     rank:R,save:PHASE raises on rank R halfway through writing its checkpoint file (PHASE shard) or the
-    manifest (PHASE manifest, checkpoint/sharded.py: where = save=PHASE);
+    manifest (PHASE manifest), or at the save's other points (snapshot, shard-fsynced, shards-written,
+    manifest-fsynced, committed: checkpoint/sharded.py, where = save=PHASE);
     rank:R,step:S,signal:KILL kills rank R there with that signal (a node lost: `minipar launch`'s
     test), and once:PATH makes any of them fire only where PATH does not exist yet (it is created);
     rank:R,startup:validate (or load),stall:stop stops rank R while it validates its input

@@ -125,13 +125,18 @@ def uninterrupted(tmp_path_factory) -> list[float]:
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("rank, point", [(0, "snapshot"), (1, "snapshot"), (1, "shard"), (0, "manifest")])
+KILLS = [(0, "snapshot"), (1, "snapshot"), (1, "shard"), (0, "shard-fsynced"), (0, "shards-written"),
+         (0, "manifest"), (0, "committed")]
+
+
+@pytest.mark.parametrize("rank, point", KILLS)
 def test_spawns_mpiexec_a_kill_during_an_asynchronous_save_leaves_a_checkpoint_that_resumes_exactly(
         tmp_path, uninterrupted, rank, point):
-    """2 ranks resumed from step 2 with --save-every 2 --save-async, SIGKILL on one rank after the
-    snapshot, mid shard write (in the writer thread) or mid manifest of the save of step 4: the newest
-    manifest validates (step 2, or 4 had it been committed), and resuming from it reproduces the
-    uninterrupted run's losses bit for bit."""
+    """2 ranks resumed from step 2 with --save-every 2 --save-async, SIGKILL on one rank at a named
+    point of the save of step 4: after the snapshot, mid shard write (in the writer thread), after the
+    fsync before the rename, between the shards and the manifest, mid manifest, after the commit
+    before pruning. The newest manifest validates (step 2, or 4 once committed), and resuming from it
+    reproduces the uninterrupted run's losses bit for bit."""
     folder = tmp_path / "ck"
     first = train_2_ranks("--steps", "2", "--save", str(folder))  # committed: step 2
     assert first.returncode == 0, first.stderr
