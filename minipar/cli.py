@@ -1,4 +1,4 @@
-"""`python -m minipar train | plan | schedule | simulate | bench | course | plot` (or the script `minipar`).
+"""`python -m minipar train | plan | schedule | simulate | launch | bench | course | plot` (or `minipar`).
 
 The command line's front door, above every layer: it only dispatches. `bench`, `plot` and `course` are
 the lab's (minipar_lab, a sibling package: the reference never imports it): they are found through the
@@ -18,20 +18,20 @@ import sys
 from importlib.metadata import entry_points
 
 from minipar.distributed.watchdog import timeout_from_env
-from minipar.speed.install import install_from_env
-from minipar.trainer import commands
-from minipar.trainer.arguments import fail
 
-REFERENCE_COMMANDS = {
-    "train": commands.train_main,
-    "plan": commands.plan_main,
-    "schedule": commands.schedule_main,
-    "simulate": commands.simulate_main,
-}
+REFERENCE_COMMANDS = ("train", "plan", "schedule", "simulate")  # trainer/commands.py's
 LAB_COMMANDS = ("bench", "course", "plot")  # minipar_lab's, through its entry points
 LAB_GROUP = "minipar.commands"
-COMMANDS = (*REFERENCE_COMMANDS, *LAB_COMMANDS)
-STARTS_RANKS = ("train", "bench", "course")  # the commands whose collectives the watchdog times
+COMMANDS = (*REFERENCE_COMMANDS, "launch", *LAB_COMMANDS)
+STARTS_RANKS = ("train", "launch", "bench", "course")  # the commands whose collectives the watchdog times
+
+
+def without_mpi() -> None:
+    """`minipar launch` is the restart supervisor (trainer/elastic.py), a process outside the MPI job:
+    importing mpi4py's MPI (the checkpoint's checks reach it) must not start MPI in it."""
+    import mpi4py
+
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False
 
 
 def lab_command(name: str):
@@ -40,8 +40,20 @@ def lab_command(name: str):
     return found[0].load() if found else None
 
 
+def reference_command(name: str):
+    from minipar.trainer import commands
+
+    return {"train": commands.train_main, "plan": commands.plan_main, "schedule": commands.schedule_main,
+            "simulate": commands.simulate_main}[name]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "launch":  # before anything imports mpi4py's MPI (trainer/ does)
+        without_mpi()
+    from minipar.speed.install import install_from_env
+    from minipar.trainer.arguments import fail  # imports mpi4py's MPI, which starts MPI (train's ranks)
+
     if not argv or argv[0] not in COMMANDS:
         if argv and argv[0] in ("-h", "--help"):
             print(f"usage: minipar {{{','.join(COMMANDS)}}} [options]   (minipar COMMAND --help for details)")
@@ -56,8 +68,12 @@ def main(argv=None) -> int:
             timeout_from_env()  # every rank reads the same variable: a typo stops all of them, at once
         except ValueError as why:
             return fail(f"minipar {argv[0]}", str(why))
+    if argv[0] == "launch":
+        from minipar.trainer.elastic import launch_main
+
+        return launch_main(argv[1:])
     if argv[0] in REFERENCE_COMMANDS:
-        return REFERENCE_COMMANDS[argv[0]](argv[1:])
+        return reference_command(argv[0])(argv[1:])
     command = lab_command(argv[0])
     if command is None:
         return fail("minipar", f"`{argv[0]}` is a command of the lab (minipar_lab), which is not installed: "

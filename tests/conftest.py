@@ -6,7 +6,8 @@
 To write a multi-rank test, read tests/mpi_harness.py (decorators mpi_test and mpi_given, the mark
 needs_world_size). This file skips mpi tests in a single process and serial tests under mpiexec,
 silences the reports of ranks > 0 (the harness brings their failures to rank 0), provides the
-fixture `comm`, makes serial hypothesis draws reproducible, and sets MINIPAR_COLLECTIVE_TIMEOUT.
+fixture `comm`, makes serial hypothesis draws reproducible, sets MINIPAR_COLLECTIVE_TIMEOUT, and sends
+the collective watchdog's line to the terminal with the test's node id (pytest captures stderr).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from minipar.distributed import watchdog  # noqa: E402
 from minipar.distributed.communicator import Comm  # noqa: E402
 from minipar.distributed.ledger import TrafficLedger
 
@@ -39,6 +41,7 @@ settings.load_profile("minipar")
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     mpi_harness.keep_terminal_stderr()
+    watchdog.WATCHDOG.reporters.append(mpi_harness.report_collective_stall)  # the test, on the terminal
     if WORLD.rank > 0:
         # The terminal reporter takes sys.stdout when it is created, right after this hook.
         sys.stdout = open(os.devnull, "w")

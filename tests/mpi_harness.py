@@ -42,6 +42,11 @@ cases random draws can miss are written out, each with the world sizes where it 
 `shrink=False` (a body that trains for seconds would shrink for minutes), and hypothesis's explain
 phase, which reruns the body many times more, is off.
 
+Collective watchdog: a collective that waits past MINIPAR_COLLECTIVE_TIMEOUT (conftest.py: 30 s)
+ends its rank with the watchdog's line (minipar/distributed/watchdog.py), which conftest.py sends to
+the terminal too, after the test's node id (`report_collective_stall`): pytest's capture would
+swallow it.
+
 Deadlock watchdog: one example (or one mpi_test) that runs past DEADLOCK_S seconds (environment
 variable MINIPAR_TEST_DEADLOCK_S, default 60) prints, on every rank, which test it is and every
 thread's stack (faulthandler), then aborts the job: a hang fails in a minute, not at pytest's 300 s
@@ -80,6 +85,20 @@ def keep_terminal_stderr() -> None:
     pytest_configure, while pytest's capture is suspended."""
     global _abort_report
     _abort_report = os.fdopen(os.dup(2), "w")
+
+
+def report_collective_stall(line: str) -> None:
+    """The collective watchdog's line (minipar/distributed/watchdog.py), on the terminal and in
+    REPORT_DIR with the test it stopped: pytest captures stderr into a file, and the watchdog ends the
+    process with os._exit, so its own copy is never shown. It fires at MINIPAR_COLLECTIVE_TIMEOUT (30 s
+    here), before this harness's deadlock watchdog (60 s)."""
+    report = f"[rank {WORLD.rank}] {_current_test()}: {line}"
+    outputs = [_abort_report]
+    if REPORT_DIR:
+        outputs.append(open(os.path.join(REPORT_DIR, f"rank-{WORLD.rank}.txt"), "a"))
+    for output in outputs:
+        output.write(report)
+        output.flush()
 
 
 class MultiRankFailure(AssertionError):

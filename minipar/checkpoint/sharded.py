@@ -23,6 +23,12 @@ marker save() writes (`foreign_manifest`), and a save deletes only the step fold
 is as careful: the manifest and every shard must be regular files (a FIFO would block, /dev/zero would
 never end), and a shard's size is compared with the manifest's before a byte of it is read.
 
+--save-async (`start_save`, `finish_save`): the same files and commit, with this rank's pieces copied at
+the step boundary and written by a thread that does file I/O only while training goes on; the commit
+(every rank's file written, then rank 0's manifest) runs on the main thread at a later step boundary,
+once one small collective says every rank's writer is done; at most one save is in flight. It saves
+the step time of the writing (not of the copy), and costs a copy of the pieces in memory meanwhile.
+
 What is saved: the parameters and optimizer states, the optimizer's step count, the loss scaler (fp16)
 and the step. The step is also the data position and the random state: a batch is a pure function of
 (seed, step), and training draws no other random numbers (dropout is 0), so the seed and the step
@@ -50,6 +56,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +117,90 @@ class SaveFailed(OSError):
     """A save that could not write its files (a full disk): every rank raises it with the same line."""
 
 
+# ---- saving asynchronously (--save-async) ------------------------------------------------------------
+#
+# The same files and commit as save(), cut in three: at the step boundary of the save, `start_save`
+# agrees on the folder and which rank writes which piece (the collectives save() makes), copies this
+# rank's pieces and hands them to a thread that only writes files (no MPI call: MPI is not asked for
+# thread support, and the main thread's collectives must stay in order); training goes on. At each later
+# step boundary `finish_save` asks, by one small collective, whether every rank's writer is done: if so,
+# the commit runs as in save() (gather, rank 0's manifest, broadcast of its outcome); with `wait`, each
+# rank first waits for its own writer (the next save, or the end of the run). A kill at any moment
+# leaves the last committed checkpoint: nothing is renamed over it before the commit.
+
+
+class PendingSave:
+    """A save whose files a writer thread is writing: its step, folder and outcome."""
+
+    def __init__(self, directory: Path, step: int, folder: str, file: str, mine: list, counts: dict,
+                 keep: int, scaler: dict | None):
+        self.directory, self.step, self.folder, self.file = directory, step, folder, file
+        self.mine, self.counts, self.keep, self.scaler = mine, counts, keep, scaler
+        self.written: tuple | None = None
+        self.problem: str | None = None
+        self.thread: threading.Thread | None = None
+
+    def write(self, arrays: dict, rank: int) -> None:  # the writer thread: file I/O only
+        try:
+            self.written, self.problem = _attempt(write_npz, self.directory / self.file, arrays, rank)
+        except Exception as error:  # reported at the commit, on every rank, like a full disk
+            self.problem = f"{type(error).__name__}: {error}"
+
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+
+def start_save(directory, engine, step: int, keep: int = 1) -> PendingSave | None:
+    """Begin a save of the state after `step` steps: collective over the world, then this rank's pieces
+    are copied and written by a thread. None if the folder could not be made (SaveFailed on every rank)."""
+    directory, world = Path(directory), engine.grid.world
+    held = engine.updater.checkpoint_pieces()
+    keys = {(name, kind, piece) for name, kinds in held.items() for kind, (piece, _) in kinds.items()
+            if piece.full_shape != ()}
+    counts = {name: {kind: int(count) for kind, (piece, count) in kinds.items() if piece.full_shape == ()}
+              for name, kinds in held.items()}
+    earlier = set().union(*world.allgather_obj(keys)[: world.rank])
+    mine = sorted(keys - earlier, key=lambda key: key[:2])
+    folder, problem = world.bcast_obj(_attempt(new_folder, directory, step) if world.rank == 0 else None)
+    if problem is not None:
+        raise SaveFailed(f"--save {directory}: the checkpoint of step {step} was not written ({problem}); "
+                         "the previous one is intact")
+    pending = PendingSave(directory, step, folder, f"{folder}/rank{world.rank:05d}.npz", mine, counts, keep,
+                          loss_scaler_state(engine))
+    snapshot = {f"{name}/{kind}": np.array(held[name][kind][1], copy=True) for name, kind, _ in mine}
+    pending.thread = threading.Thread(target=pending.write, args=(snapshot, world.rank),
+                                      name="minipar-checkpoint-writer", daemon=True)
+    pending.thread.start()
+    inject_fault(world.rank, "after the snapshot of its save", save="snapshot")  # tests: a kill here
+    return pending
+
+
+def finish_save(pending: PendingSave | None, engine, wait: bool = False) -> PendingSave | None:
+    """At a step boundary: commit `pending` if every rank's writer is done (or, with `wait`, once they
+    are), and return None; else return it, still in flight. Collective over the world."""
+    if pending is None:
+        return None
+    world = engine.grid.world
+    if wait:
+        pending.thread.join()  # file I/O only: it ends, or the disk's error ends it
+    elif not world.allreduce_obj(int(pending.done()), op="min"):  # the agreement: all done, or wait on
+        return pending
+    mine = (pending.file, *pending.written, pending.mine, pending.counts) if pending.problem is None \
+        else pending.problem
+    files = world.gather_obj(mine)
+    problem = None
+    if world.rank == 0:
+        problem = next((entry for entry in files if isinstance(entry, str)), None)
+        if problem is None:
+            _, problem = _attempt(commit, pending.directory, engine, pending.step, pending.folder, files,
+                                  pending.keep, pending.scaler)
+    problem = world.bcast_obj(problem)
+    if problem is not None:
+        raise SaveFailed(f"--save {pending.directory}: the checkpoint of step {pending.step} was not "
+                         f"written ({problem}); the previous one is intact")
+    return None
+
+
 def _attempt(write, *args):
     """(write(*args), None), or (None, the one-line reason) when the file system refused."""
     try:
@@ -119,12 +210,16 @@ def _attempt(write, *args):
         return None, f"{error.strerror or error}{where}"
 
 
-def commit(directory: Path, engine, step: int, folder: str, files: list, keep: int) -> None:
-    """Rank 0, once every rank's file is in place: the manifests, then the older folders go."""
-    manifest = build_manifest(engine, step, folder, files)
+def commit(directory: Path, engine, step: int, folder: str, files: list, keep: int,
+           scaler: dict | None | str = "now") -> None:
+    """Rank 0, once every rank's file is in place: the manifests, then the older folders go.
+    `scaler`: the loss scaler's state at the step saved, where that was not now (--save-async)."""
+    manifest = build_manifest(engine, step, folder, files, scaler)
     text = manifest_text(manifest).encode()
+    inject_fault(0, "between the shards and the manifest", save="shards-written")  # tests: a kill here
     write_atomically(directory / folder / MANIFEST, text, 0, "manifest")  # --resume DIR/step-...
     write_atomically(directory / MANIFEST, text, 0, "manifest")  # the commit point
+    inject_fault(0, "before pruning", save="committed")  # tests: a kill between the commit and the pruning
     remove_old_folders(directory, keep)
 
 
@@ -203,6 +298,7 @@ def write_atomically(path: Path, data: bytes, rank: int, phase: str) -> None:
         f.write(data[len(data) // 2 :])
         f.flush()
         os.fsync(f.fileno())
+    inject_fault(rank, f"before renaming its {phase}", save=f"{phase}-fsynced")  # tests: written, not renamed
     os.replace(temporary, path)
     fsync_directory(path.parent)  # the rename itself reaches the disk
 
@@ -215,7 +311,7 @@ def fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
-def build_manifest(engine, step: int, folder: str, files: list) -> dict:
+def build_manifest(engine, step: int, folder: str, files: list, scaler: dict | None | str = "now") -> dict:
     cfg, tensors = engine.cfg, {}
     for file, _, _, entries, _ in files:
         for name, kind, piece in entries:
@@ -235,11 +331,15 @@ def build_manifest(engine, step: int, folder: str, files: list) -> dict:
         "layout": {"world_size": engine.grid.world.size, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
                    "cp": cfg.cp, "zero": cfg.zero, "offload": cfg.offload, "precision": cfg.precision},
         "run": run_settings(cfg),
-        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "loss_scaler": loss_scaler_state(engine) if scaler == "now" else scaler,
         "folder": folder,
         "files": {file: {"bytes": size, "sha256": digest} for file, size, digest, _, _ in files},
         "tensors": dict(sorted(tensors.items())),
     }
+
+
+def loss_scaler_state(engine) -> dict | None:
+    return dict(engine.loss_scaler.state_dict()) if engine.loss_scaler is not None else None
 
 
 def run_settings(cfg) -> dict:

@@ -15,12 +15,13 @@ import sys
 import time
 import traceback
 
-from mpi4py import MPI
-
 
 def install_excepthook() -> None:
     """Make an uncaught exception on any rank print its traceback (prefixed by the rank) and
-    abort the whole job, instead of leaving the other ranks waiting forever in a collective."""
+    abort the whole job, instead of leaving the other ranks waiting forever in a collective.
+    (mpi4py is imported here, not with the module: importing it starts MPI, and the checkpoint's
+    checks, which use inject_fault, run in `minipar launch` too, a supervisor with no MPI of its own.)"""
+    from mpi4py import MPI
 
     def abort_job(kind, value, tb):
         rank = MPI.COMM_WORLD.Get_rank()
@@ -41,16 +42,36 @@ def inject_fault(rank: int, what: str, **where) -> None:
     MINIPAR_FAULT=rank:R,step:S raises on rank R at step S (trainer/loop.py: where = step=S);
     rank:R,step:S,stall:stop stops that rank there instead (SIGSTOP: the watchdog's test);
     rank:R,save:PHASE raises on rank R halfway through writing its checkpoint file (PHASE shard) or the
-    manifest (PHASE manifest, checkpoint/sharded.py: where = save=PHASE). `what` says where, in the error."""
+    manifest (PHASE manifest), or at the save's other points (snapshot, shard-fsynced, shards-written,
+    manifest-fsynced, committed: checkpoint/sharded.py, where = save=PHASE);
+    rank:R,step:S,signal:KILL kills rank R there with that signal (a node lost: `minipar launch`'s
+    test), and once:PATH makes any of them fire only where PATH does not exist yet (it is created);
+    rank:R,startup:validate (or load),stall:stop stops rank R while it validates its input
+    (trainer/commands.py) or loads the checkpoint (trainer/loop.py): the watched start-up's test.
+    `what` says where, in the error."""
     spec = os.environ.get("MINIPAR_FAULT", "")
     fault = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)
     named = {"rank": rank, **where}
     if "nudge" in fault:  # not a failure: fault_nudge's deviation
         return
     if where and all(fault.get(key) == str(value) for key, value in named.items()):
+        if "once" in fault and not first_time(fault["once"]):  # fired before, by an earlier launch
+            return
+        if "signal" in fault:  # rank:R,step:S,signal:KILL: killed from outside, as a lost node is
+            os.kill(os.getpid(), getattr(signal, f"SIG{fault['signal']}"))
         if fault.get("stall") == "stop":  # rank:R,step:S,stall:stop: this rank stops, as if hung
             os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError(f"injected fault on rank {rank} {what} (MINIPAR_FAULT={spec})")
+
+
+def first_time(path: str) -> bool:
+    """True once: the first call creates `path` (atomically), every later one, in any process, finds it.
+    A one-shot fault: the relaunched job (`minipar launch`) passes the same place unharmed."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
 
 
 def fault_nudge(rank: int, step: int) -> float | None:

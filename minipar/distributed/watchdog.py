@@ -38,6 +38,7 @@ import time
 TIMEOUT_ENV = "MINIPAR_COLLECTIVE_TIMEOUT"  # the default of --collective-timeout (tests set ~30 s)
 DEFAULT_TIMEOUT_S = 600.0
 TICK_S = 0.1  # how often the thread looks: a stall is noticed within a tick of the timeout
+STALL_EXIT = 75  # the process's code when a wait ran past the timeout: `minipar launch` restarts on it
 INTERRUPT_GRACE_S = 0.5  # Ctrl-C: how long the main thread has to raise KeyboardInterrupt itself
 
 
@@ -59,7 +60,8 @@ def timeout_from_env() -> float:
 
 
 class Watchdog:
-    """The one wait in progress on this process's main thread, and the thread that watches it."""
+    """The one wait in progress on this process's main thread, and the thread that watches it.
+    `reporters`: callables given the stall's line before the process ends (tests/mpi_harness.py's)."""
 
     def __init__(self):
         try:
@@ -70,6 +72,9 @@ class Watchdog:
         self.rank = 0
         self.thread: threading.Thread | None = None
         self.interrupts: int | None = None  # the pipe the C-level signal handler writes to
+        # where the line goes too, before the process ends: a test harness whose pytest captures
+        # stderr (into a file os._exit never shows) gives the terminal, and says which test it was
+        self.reporters: list = []
 
     def start(self, rank: int) -> None:
         if self.thread is None:
@@ -91,9 +96,12 @@ class Watchdog:
 
     def stalled(self, op: str, name: str, ranks: list[int], started: float) -> None:
         waited = time.monotonic() - started
-        end(f"minipar: error: rank {self.rank} waited {waited:.0f} s in {op} on communicator {name!r} "
-            f"(world ranks {ranks}), past --collective-timeout {self.timeout_s:g}: a rank of it stalled "
-            "or died\n", 1)
+        line = (f"minipar: error: rank {self.rank} waited {waited:.0f} s in {op} on communicator {name!r} "
+                f"(world ranks {ranks}), past --collective-timeout {self.timeout_s:g}: a rank of it "
+                "stalled or died\n")
+        for report in self.reporters:
+            report(line)
+        end(line, STALL_EXIT)  # its own code (sysexits' EX_TEMPFAIL): a restart may cure it, unlike 1 or 2
 
     def interrupted(self) -> None:
         time.sleep(INTERRUPT_GRACE_S)
@@ -129,10 +137,12 @@ def collective_timeout() -> float:
 
 @contextlib.contextmanager
 def watching(op: str, name: str, ranks: list[int], rank: int):
-    """Run the body (one blocking MPI call) as the wait the watchdog watches."""
+    """Run the body (one blocking MPI call, or a stretch of start-up that ends in one) as the wait the
+    watchdog watches; inside another, the outer one is watched again (from its own start) afterwards."""
     WATCHDOG.start(rank)
+    outer = WATCHDOG.current  # a wait inside a watched stretch (the start-up's, the load's) gives it back
     WATCHDOG.current = (op, name, ranks, time.monotonic())
     try:
         yield
     finally:
-        WATCHDOG.current = None
+        WATCHDOG.current = outer

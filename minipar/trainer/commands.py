@@ -27,36 +27,52 @@ from minipar.trainer.validate import validate
 
 
 def train_main(argv: list[str]) -> int:
-    """Parse and validate on every rank, combine the verdicts (the one collective before them), train."""
+    """Parse and validate on every rank, combine the verdicts (the one collective before them), train.
+
+    The start-up is watched (distributed/watchdog.py) like every collective after it: a rank stuck
+    while it validates its input or loads the checkpoint (a file system that stopped answering) leaves
+    the others waiting in the verdicts' allgather or the barrier after the load, and the watchdog ends
+    them within the collective timeout with one line naming that step, not a hang."""
     from mpi4py import MPI
 
+    from minipar.distributed.watchdog import WATCHDOG
+
     world = MPI.COMM_WORLD
-    cfg, errors, code = _own_verdict(argv, world.Get_size(), world.Get_rank())
-    verdicts = world.allgather(errors)  # ranks may disagree (their environment, their files): all learn
+    WATCHDOG.catch_interrupts()  # Ctrl-C reaches a rank blocked in MPI too (distributed/watchdog.py)
+    try:
+        return _train(argv, world)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line each, the shell's code for SIGINT
+        return interrupted(world.Get_rank())
+
+
+def _train(argv: list[str], world) -> int:
+    from minipar.distributed.communicator import wait_for_everyone
+    from minipar.distributed.faults import install_excepthook
+    from minipar.distributed.watchdog import set_collective_timeout, watching
+    from minipar.trainer import loop as train
+
+    cfg, usage = _parse(argv)
+    if cfg is not None and cfg.collective_timeout is not None and cfg.collective_timeout > 0:
+        set_collective_timeout(cfg.collective_timeout)  # a bad value is refused by validate, below
+    ranks = list(range(world.Get_size()))
+    with watching(STARTUP_CHECK, "world", ranks, world.Get_rank()):
+        errors, code = _own_verdict(argv, world.Get_size(), world.Get_rank(), (cfg, usage))[1:]
+        verdicts = world.allgather(errors)  # ranks may disagree (their environment, their files): all learn
     failed = [(rank, message) for rank, message in enumerate(verdicts) if message]
     if failed or code is not None:
         if failed and not errors:
             rank, message = failed[0]
             return fail("minipar train", f"{message} (on rank {rank})")
         return fail("minipar train", errors) if errors else int(code or 0)
-    from minipar.distributed.communicator import wait_for_everyone
-    from minipar.distributed.faults import install_excepthook
-    from minipar.distributed.watchdog import WATCHDOG
-    from minipar.trainer import loop as train
-
     install_excepthook()
-    WATCHDOG.catch_interrupts()  # Ctrl-C reaches a rank blocked in MPI too (distributed/watchdog.py)
     try:
-        try:
-            train.train(cfg.resolved(world.Get_size()))
-            stopped = None
-        except train.RunStopped as reason:  # every rank at one step, or rank 0 alone at the end
-            stopped = str(reason)
-        except BudgetTooSmall as refusal:  # every rank reached it together, after the warm-up step
-            return fail("minipar train", str(refusal))
-        wait_for_everyone(world)  # e.g. while rank 0 alone runs --check-reference
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line each, the shell's code for SIGINT
-        return interrupted(world.Get_rank())
+        train.train(cfg.resolved(world.Get_size()))
+        stopped = None
+    except train.RunStopped as reason:  # every rank at one step, or rank 0 alone at the end
+        stopped = str(reason)
+    except BudgetTooSmall as refusal:  # every rank reached it together, after the warm-up step
+        return fail("minipar train", str(refusal))
+    wait_for_everyone(world)  # e.g. while rank 0 alone runs --check-reference
     if stopped is None:
         return 0
     if world.Get_rank() == 0:  # one line: not a mistake in the input, so exit 1, not 2
@@ -64,16 +80,33 @@ def train_main(argv: list[str]) -> int:
     return 1
 
 
-def _own_verdict(argv: list[str], world_size: int, rank: int):
-    """(config, "" or this rank's one-line errors, None or the exit code of --help) without a
-    collective. A usage error is captured rather than printed, so the verdicts can be combined."""
+# What the watchdog's line names when a rank never reaches the verdicts' allgather.
+STARTUP_CHECK = "the start-up check (every rank validates its input, then allgather of the verdicts)"
+
+
+def _parse(argv: list[str]):
+    """(config or None, the exit code of a usage error or --help or None): the parse alone, which
+    cannot block, so that the start-up check runs under the run's own --collective-timeout."""
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            cfg = parse_train_args(argv)
+            return parse_train_args(argv), None
     except SystemExit as exit_request:
         message = captured.getvalue().strip().removeprefix("minipar train: error: ")
-        return None, message if exit_request.code else "", exit_request.code
+        return None, (exit_request.code, message)
+
+
+def _own_verdict(argv: list[str], world_size: int, rank: int, parsed=None):
+    """(config, "" or this rank's one-line errors, None or the exit code of --help) without a
+    collective. A usage error is captured rather than printed, so the verdicts can be combined.
+    `parsed`: what _parse(argv) returned, where the caller has it."""
+    from minipar.distributed.faults import inject_fault
+
+    cfg, usage = parsed or _parse(argv)
+    if cfg is None:
+        code, message = usage
+        return None, message if code else "", code
+    inject_fault(rank, "while validating its input", startup="validate")  # tests: a rank stuck here
     errors = validate(cfg, world_size)
     if not errors and rank == 0 and cfg.save is not None:
         errors = checkpoint.lock_problems(cfg.save)  # held by rank 0 until this process ends

@@ -47,6 +47,9 @@ class RunOptions:
                                     single_process=None)
     keep_last: int | None = option(None, "with --save: keep the K newest checkpoints (default: 1)",
                                    single_process=None)
+    save_async: bool = option(False, "with --save-every: write each periodic checkpoint from a thread "
+                              "while training goes on; committed at a later step boundary",
+                              single_process=False)
     resume: str | None = option(None, "checkpoint directory to continue from", single_process=None)
     allow_changes: bool = option(False, "--resume with another --lr, --weight-decay, --batch-size, "
                                  "--momentum (sgd) or --aux-loss-coef (moe) "

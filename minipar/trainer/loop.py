@@ -19,7 +19,7 @@ from minipar.core import backend
 from minipar.distributed.communicator import Comm, node_local_rank
 from minipar.distributed.faults import fault_nudge, inject_fault
 from minipar.distributed.grid import ProcessGrid
-from minipar.distributed.watchdog import set_collective_timeout
+from minipar.distributed.watchdog import set_collective_timeout, watching
 from minipar.memory.ledger import MemoryLedger
 from minipar.speed.install import speed_forms
 from minipar.trainer import build, reference, report
@@ -33,6 +33,9 @@ def make_task(cfg: TrainConfig):
         return AdditionTask(cfg.seq_len, cfg.seed)
     mcfg = build.model_config(cfg)
     return RegressionTask(mcfg.d_in, mcfg.d_out, cfg.seed, cfg.dtype)  # batches in the model's dtype
+
+
+LOADING = "loading the checkpoint (every rank reads its pieces, then a barrier)"  # the watchdog's line
 
 
 class RunStopped(Exception):
@@ -70,7 +73,7 @@ class Trainer:
             print(self.grid.describe(), flush=True)
         self.task = make_task(cfg)
         # --resume: the state of step N from a checkpoint of any layout; the run continues at step N
-        self.start_step = checkpoint.load(cfg.resume, self.engine) if cfg.resume else 0
+        self.start_step = self.load(cfg.resume) if cfg.resume else 0
         self.records: list[dict] = []
         # --allow-changes: what the resumed run changes (lr, weight decay, batch), in its first record
         self.changes = checkpoint.changes_on_resume(cfg.resume, cfg) if cfg.resume else {}
@@ -78,9 +81,20 @@ class Trainer:
             changed = ", ".join(f"{key} {saved} -> {now}" for key, (saved, now) in self.changes.items())
             print(f"resumed with changes: {changed}", flush=True)
         self.log_error: str | None = None  # a failed write to --log: reported once the run is saved
+        self.pending_save = None  # --save-async: the save whose files a thread is writing
         # --check-reference: every weight after step min(20, steps), before training amplifies roundoff
         self.snapshot_at = reference.horizon(cfg.steps) if cfg.check_reference else None
         self.snapshot: dict | None = None
+
+    def load(self, directory: str) -> int:
+        """The checkpoint's state into the engine, under the watchdog: a rank stuck reading its files
+        leaves the others in the barrier after the load, which the watchdog ends in the timeout."""
+        world = self.world  # one watched wait, not charged to the ledger's wait time: most of it is reading
+        with watching(LOADING, world.name, world.world_ranks, world.world_ranks[world.rank]):
+            inject_fault(world.rank, "while loading the checkpoint", startup="load")  # tests
+            step = checkpoint.load(directory, self.engine)
+            world.mpi.Barrier()
+        return step
 
     @property
     def is_rank0(self) -> bool:
@@ -151,9 +165,11 @@ class Trainer:
                 done = step + 1
                 if done == self.snapshot_at:
                     self.snapshot = self.full_state()  # a collective, like the final one
+                if self.cfg.save_async:  # commit the save in flight if every rank's writer is done
+                    self.pending_save = self.settle(self.pending_save)
                 if self.cfg.save and self.cfg.save_every and done % self.cfg.save_every == 0 \
                         and done < self.cfg.steps:
-                    self.save(done)
+                    self.save(done, in_background=self.cfg.save_async)
         finally:
             self.close_log(log)
         if self.cfg.save:
@@ -166,10 +182,23 @@ class Trainer:
             print(f"--device-mem-mb auto: {record['offload']['budget_bytes'] / 2**20:.4f} MiB, the least "
                   "the warm-up step needs", flush=True)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, in_background: bool = False) -> None:
+        """Save after `step` steps; --save-async: the last save in flight is committed first (at most one
+        in flight), and this one's files are written by a thread (checkpoint/sharded.py start_save)."""
+        keep = self.cfg.keep_last or 1
         try:
-            checkpoint.save(self.cfg.save, self.engine, step, keep=self.cfg.keep_last or 1)
+            self.pending_save = checkpoint.finish_save(self.pending_save, self.engine, wait=True)
+            if in_background:
+                self.pending_save = checkpoint.start_save(self.cfg.save, self.engine, step, keep=keep)
+            else:
+                checkpoint.save(self.cfg.save, self.engine, step, keep=keep)
         except checkpoint.SaveFailed as failure:  # every rank, together: one line, like a failed log write
+            raise RunStopped(str(failure)) from None
+
+    def settle(self, pending):
+        try:
+            return checkpoint.finish_save(pending, self.engine)
+        except checkpoint.SaveFailed as failure:  # the writer's error, at the next step boundary
             raise RunStopped(str(failure)) from None
 
     def open_log(self):

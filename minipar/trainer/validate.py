@@ -52,6 +52,8 @@ def _positive(cfg: TrainConfig) -> list[str]:
     for name in ("save_every", "keep_last"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             errors.append(f"{_flag(name)} must be a positive integer, got {getattr(cfg, name)}")
+    if cfg.save_async and not (cfg.save and cfg.save_every):
+        errors.append("--save-async needs --save DIR --save-every N (it writes the periodic checkpoints)")
     if cfg.collective_timeout is not None and not cfg.collective_timeout > 0:
         errors.append(f"--collective-timeout must be positive, got {cfg.collective_timeout}")
     if cfg.seed < 0:  # numpy's generators take non-negative seeds only

@@ -67,6 +67,7 @@ FLAGS = {
     "--save": (None, None, str),
     "--save-every": (None, None, int),
     "--keep-last": (None, None, int),
+    "--save-async": (False, None, SWITCH),
     "--resume": (None, None, str),
     "--allow-changes": (False, None, SWITCH),
     "--collective-timeout": (None, None, float),

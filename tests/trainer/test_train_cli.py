@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pace
 import pytest
 from mpi4py import MPI
 
@@ -101,7 +102,8 @@ def test_spawns_mpiexec_a_rank_that_raises_ends_the_whole_job():
     started = time.monotonic()
     fault = {"MINIPAR_FAULT": "rank:1,step:1"}
     result = minipar("train", "--steps", "5", "--quiet", *SMALL, ranks=2, env=fault, timeout=60)
-    assert time.monotonic() - started < 20, "the job should abort within seconds, not wait in a collective"
+    seconds = time.monotonic() - started  # within a few start-ups at this machine's pace (tests/pace.py)
+    assert seconds < pace.allowance(), "the job should abort within seconds, not wait in a collective"
     assert result.returncode != 0
     assert result.stderr.count("Traceback") == 1, result.stderr
     assert "RuntimeError: injected fault on rank 1 at step 1" in result.stderr
