@@ -167,7 +167,7 @@ MUTANTS = [
     Mutant("interleaved-warmup-without-chunks", "minipar/parallel/schedules.py",
            "warmup = min(2 * (stages - stage - 1) + (virtual_stages - 1) * stages, total)",
            "warmup = min(2 * (stages - stage - 1), total)",
-           tests=("tests/parallel/test_schedules.py", "tests/parallel/test_pipeline_schedules.py")),
+           tests=("tests/parallel/test_schedules.py", "tests/parallel/test_schedules_beyond.py")),
     Mutant("copy-to-tp-backward-no-sum", "minipar/parallel/mappings.py",
            "        return ctx.comm.all_reduce(grad), None\n        # end exercise\n\n\nclass ReduceFrom",
            "        return grad, None\n        # end exercise\n\n\nclass ReduceFrom",

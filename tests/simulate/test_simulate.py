@@ -30,6 +30,10 @@ def test_flops_are_the_papers_72_and_96_forms(shape):
     base = Fraction(B * s * L * h * h)
     assert model_flops(shape, B) == 72 * base * (1 + Fraction(s, 6 * h) + Fraction(V, 12 * L * h))
     assert hardware_flops(shape, B, "full") == 96 * base * (1 + Fraction(s, 6 * h) + Fraction(V, 16 * L * h))
+    # selective recomputation reruns the attention core only: per block, the scores Q·K^T and the
+    # weighted sum P·V, 2·B·s²·h FLOPs each (Korthikanti et al. 2022, section 5)
+    assert hardware_flops(shape, B, "selective") == model_flops(shape, B) + L * 2 * (2 * B * s * s * h)
+    assert hardware_flops(shape, B, "none") == model_flops(shape, B)
 
 
 def test_parameter_count_is_the_real_models():

@@ -233,3 +233,10 @@ def test_the_single_process_reference_resets_the_layout_and_keeps_the_training()
     for field in dataclasses.fields(TrainConfig):
         expected = SINGLE_PROCESS.get(field.name, getattr(run, field.name))
         assert getattr(reference, field.name) == expected, field.name
+
+
+def test_dp_left_out_is_what_the_world_leaves_after_tp_pp_and_cp():
+    assert TrainConfig().resolved(8).dp == 8
+    assert TrainConfig(cp=2).resolved(8).dp == 4
+    assert TrainConfig(tp=2, pp=2, cp=2).resolved(8).dp == 1
+    assert TrainConfig(dp=2, cp=2).resolved(8).dp == 2  # given: kept (validate then names the mismatch)
