@@ -240,3 +240,10 @@ def test_dp_left_out_is_what_the_world_leaves_after_tp_pp_and_cp():
     assert TrainConfig(cp=2).resolved(8).dp == 4
     assert TrainConfig(tp=2, pp=2, cp=2).resolved(8).dp == 1
     assert TrainConfig(dp=2, cp=2).resolved(8).dp == 2  # given: kept (validate then names the mismatch)
+
+
+def test_micro_batches_cut_each_replicas_share_of_the_batch():
+    # 12 sequences over dp 4: 3 per replica, which 2 micro-batches cannot cut (12 itself could be)
+    assert validate(TrainConfig(batch_size=12, dp=4, microbatches=2), 4) == [
+        "the per-replica batch 3 is not divisible by --microbatches 2"]
+    assert validate(TrainConfig(batch_size=12, dp=4, microbatches=3), 4) == []
