@@ -72,6 +72,7 @@ class Watchdog:
         self.rank = 0
         self.thread: threading.Thread | None = None
         self.interrupts: int | None = None  # the pipe the C-level signal handler writes to
+        self.lost_interrupt = False  # Ctrl-C raised inside a finalizer, where Python drops it
         # where the line goes too, before the process ends: a test harness whose pytest captures
         # stderr (into a file os._exit never shows) gives the terminal, and says which test it was
         self.reporters: list = []
@@ -105,8 +106,19 @@ class Watchdog:
 
     def interrupted(self) -> None:
         time.sleep(INTERRUPT_GRACE_S)
-        if self.current is not None:  # still blocked in MPI: KeyboardInterrupt cannot reach it
+        # still blocked in MPI, where KeyboardInterrupt cannot reach it; or the KeyboardInterrupt went
+        # off inside a finalizer (a graph's Context.__del__), which drops it and computes on
+        if self.current is not None or self.lost_interrupt:
             end(f"minipar train: interrupted (rank {self.rank})\n", 130)
+
+    def unraisable(self, unraisable) -> None:
+        """sys.unraisablehook while interrupts are caught: a Ctrl-C that lands in a finalizer is not
+        printed as "Exception ignored ... Traceback" but noted, and the watch ends the rank with the one
+        line; any other unraisable exception goes to Python's own hook."""
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            self.lost_interrupt = True
+            return
+        sys.__unraisablehook__(unraisable)
 
     def catch_interrupts(self) -> None:
         """From the main thread: let the thread see Ctrl-C while the main thread is blocked in MPI."""
@@ -115,6 +127,7 @@ class Watchdog:
             os.set_blocking(write, False)
             signal.set_wakeup_fd(write, warn_on_full_buffer=False)
             self.interrupts = read
+            sys.unraisablehook = self.unraisable  # Python's documented hook for exceptions it cannot raise
 
 
 def end(line: str, code: int) -> None:

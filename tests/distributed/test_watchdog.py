@@ -51,6 +51,30 @@ def test_a_wait_past_the_timeout_ends_the_process_with_one_line_naming_it():
     # start-ups at this machine's pace (tests/pace.py), far below the 20 s a watchdog that never fires takes
 
 
+def test_ctrl_c_dropped_by_a_finalizer_still_ends_the_rank_with_the_one_line():
+    """Python runs the SIGINT handler between any two bytecodes, a finalizer's too; a KeyboardInterrupt
+    raised inside __del__ (a graph's Context) is printed as "Exception ignored ... Traceback" and
+    dropped, and the rank computed on. The watch ends it in one line, exit 130, with no traceback."""
+    body = """
+        import os, signal
+        watchdog.WATCHDOG.start(rank=3)
+        watchdog.WATCHDOG.catch_interrupts()
+
+        class Graph:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C arrives while the finalizer runs
+                time.sleep(0.01)
+
+        Graph()
+        time.sleep(20)  # computing on: the interrupt is gone from the main thread
+        print("never interrupted")
+    """
+    result, seconds = run_child(body, timeout=600, limit_s=60)
+    assert result.returncode == 130, (result.stdout, result.stderr)
+    assert result.stderr == "minipar train: interrupted (rank 3)\n" and result.stdout == ""
+    assert seconds < 20
+
+
 def test_short_waits_and_time_between_waits_never_fire_it():
     """Timeout 2 s: six waits of 0.5 s (3 s in all, each under the timeout) and then 2.5 s outside any
     wait. The clock starts again at each wait and stops when it ends: a watchdog that measured from its

@@ -27,6 +27,7 @@ from minipar.parallel.api import LocalUpdater, MicrobatchRunner
 from minipar.parallel.ddp import DataParallelOptions
 from minipar.precision import mixed
 from minipar.trainer.config import OPTION_GROUPS, RunOptions, TrainConfig
+from minipar.trainer.validate import validate
 
 GPT = ModelOptions(model="gpt", n_head=4, seq_len=32)
 MLP = ModelOptions(model="mlp")
@@ -131,3 +132,27 @@ def test_chunked_zero3_is_sized_and_built_from_its_options():
     assert zero_chunked.size_errors(options, 1, model, AdamW([])) == []  # the largest tensor is 8x8
     engine = zero_chunked.build_chunked_zero3(options, grid, model, AdamW([]))
     assert engine.shard == 256 and {chunk.numel for chunk in engine.chunks} == {256}
+
+
+@pytest.mark.parametrize("changes, world, message", [
+    ({"cp": 2, "sp": True, "tp": 2, "seq_len": 32}, 4,
+     "--cp 2 with --sp: sequence parallelism cuts the sequence"),
+    ({"model": "moe", "sp": True, "tp": 2}, 2, "--model moe does not support --sp"),
+    ({"model": "moe", "cp": 2}, 2, "--model moe does not support --cp > 1 yet"),
+    ({"model": "moe", "ep": 2, "dp": 2, "zero": 3, "offload": "cpu", "device_mem_mb": 8.0}, 2,
+     "--ep 2 with chunked ZeRO-3"),
+    ({"pp": 2, "schedule": "zb-h1", "zero": 3, "dp": 2, "batch_size": 8}, 4,
+     "--schedule zb-h1 runs with --zero 0"),
+    ({"pp": 2, "schedule": "zb-h1", "offload": "cpu", "device_mem_mb": 8.0}, 2,
+     "--schedule zb-h1 runs with --zero 0"),
+    ({"pp": 2, "schedule": "zb-h1", "recompute": "full"}, 2, "--schedule zb-h1 with --recompute full"),
+])
+def test_two_techniques_that_are_not_built_together_are_one_line(changes, world, message):
+    """The trainer's own rules (validate.py's _combinations), each pair refused in its one line."""
+    found = validate(TrainConfig(**changes), world)
+    assert any(line.startswith(message) for line in found), found
+
+
+def test_zb_h1_with_zero_1_and_2_is_built():
+    for zero in (1, 2):
+        assert validate(TrainConfig(pp=2, schedule="zb-h1", zero=zero, dp=2, batch_size=8), 4) == []

@@ -81,7 +81,7 @@ BAD_INPUTS = [
     (["--d-model", "30", "--n-head", "4"], "--d-model 30 is not divisible by --n-head 4"),
     (["--zero", "4"], "argument --zero: invalid choice"),
     (["--precision", "fp8"], "argument --precision: invalid choice"),
-    (["--precision", "fp16", "--zero", "3"], "does not support --zero 3"),
+    (["--pp", "2", "--schedule", "zb-h1", "--zero", "3"], "--schedule zb-h1 runs with --zero 0, 1 or 2"),
     (["--backend", "tpu"], "argument --backend: invalid choice"),
     (["--model", "bert"], "argument --model: invalid choice"),
     (["--schedule", "zigzag"], "argument --schedule: invalid choice"),
