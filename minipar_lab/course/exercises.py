@@ -60,14 +60,14 @@ _ROWS = (
         Check(T + "distributed/test_collectives.py::test_ring_reduce_scatter",
               "shard c must end on rank c, summed in the ring's order (it starts at rank c+1): in step s, "
               "send the partial sum of chunk (rank - s - 1) and add the arriving one to your own slice",
-              (2, 3)),
+              (2, 3, 4)),
         Check(T + "distributed/test_collectives.py::test_ring_all_reduce",
               "the all-reduce is your reduce-scatter then the all-gather: check the reduce-scatter first",
               (4,)))),
     Exercise("02.2", "the ring all-gather", "Uneven sizes and the traffic ledger", 1, (
         Check(T + "distributed/test_collectives.py::test_ring_all_gather_of_uneven_shards",
               "each rank's shard must land at its offset (the cumulative sum of the counts before it); "
-              "pass what you received on to the right, N - 1 times", (2, 3)),
+              "pass what you received on to the right, N - 1 times", (2, 3, 4)),
         Check(T + "distributed/test_collectives.py::test_ring_all_reduce",
               "the all-reduce is the reduce-scatter then your all-gather", (4,)))),
     Exercise("04.1", "ZeRO's model-state bytes per parameter, stage by stage", "The paper's table, from the planner",
