@@ -52,15 +52,15 @@ ONLINE = "test_the_online_softmax_over_blocks_is_the_softmax_of_the_whole_row"
 LARGE = "test_the_online_softmax_stays_finite_and_exact_for_large_scores"
 
 LN_HEAD = """
-    xhat, rstd = ctx.saved
-    weight = _data(ctx.inputs[1])
-    lead = tuple(range(g.ndim - 1))
-    gw = (g * xhat).sum(axis=lead) if ctx.needs_input_grad[1] else None
-    gb = g.sum(axis=lead) if ctx.needs_input_grad[2] else None
+        xhat, rstd = ctx.saved
+        weight = _data(ctx.inputs[1])
+        lead = tuple(range(g.ndim - 1))
+        gw = (g * xhat).sum(axis=lead) if ctx.needs_input_grad[1] else None
+        gb = g.sum(axis=lead) if ctx.needs_input_grad[2] else None
 """
 RS_HEAD = """
-    bounds = [shard_bounds(flat.size, ring.size, c) for c in range(ring.size)]
-    wire_dtype = wire.encode(flat[:0]).dtype
+        bounds = [shard_bounds(flat.size, ring.size, c) for c in range(ring.size)]
+        wire_dtype = wire.encode(flat[:0]).dtype
 """
 ZERO3_GATHER = """
     if unit.flat is not None:

@@ -67,10 +67,10 @@ def bank_problem(wrong: Wrong, tree_folder: Path, submission: Path) -> tuple[str
     check = next(c for c in exercise.checks if c.node == wrong.node())
     write_wrong(submission, wrong)
     try:
-        tree = grading.prepare([exercise], submission, tree_folder)
-    except splice.Refused as refused:
-        return f"refused by the screen, not graded: {refused}", ""
-    try:
+        try:
+            tree = grading.prepare([exercise], submission, tree_folder)
+        except splice.Refused as refused:
+            return f"refused by the screen, not graded: {refused}", ""
         for ranks in check.ranks or (1,):
             outcome = grading.run_check(check, ranks, tree)
             if not outcome.passed:

@@ -128,7 +128,8 @@ def test_every_rank_count_of_every_check_is_run_and_reported(monkeypatch, tmp_pa
 def test_a_failing_check_names_the_command_that_reruns_it_under_mpiexec():
     outcome = grading.Outcome(BY_ID["02.1"].checks[0], 3, False, 1.0, "rank 2: AssertionError")
     assert outcome.rerun == f"mpiexec -n 3 python -m pytest -x -q {NODE}"
-    assert f"rerun (in the workspace): mpiexec -n 3 python -m pytest -x -q {NODE}" in grading.describe(outcome)
+    rerun = f"rerun (in the workspace): mpiexec -n 3 python -m pytest -x -q {NODE}"
+    assert rerun in grading.describe(outcome)
 
 
 # ---- the screen: what a region may not name ----------------------------------------------------------
@@ -178,7 +179,8 @@ def test_the_splice_takes_only_the_regions_text_and_refuses_a_line_that_leaves_t
     assert graded == stubbed  # the reference's file, its region the student's (here the stub)
     assert (tree / "tests/precision/test_precision.py").read_text() == (
         ROOT / "tests/precision/test_precision.py").read_text()
-    escaping = stubbed.replace("    raise NotImplementedError(", "def cheat():\n    raise NotImplementedError(", 1)
+    stub_line = "    raise NotImplementedError("
+    escaping = stubbed.replace(stub_line, "def cheat():\n" + stub_line, 1)
     (submission / "minipar/precision/formats.py").write_text(escaping)
     with pytest.raises(splice.Refused, match="indented less than its marker"):
         splice.splice(["09.1"], submission, tree, ROOT)
@@ -214,7 +216,8 @@ def test_a_refused_region_is_one_line_and_exit_2_before_any_test(tmp_path):
     workspace.create(tmp_path / "ws", [BY_ID["09.1"]])
     path = tmp_path / "ws/minipar/precision/formats.py"
     path.write_text(path.read_text().replace(
-        "    raise NotImplementedError(", "    print('1 passed')\n    sys.exit(0)\n    raise NotImplementedError(", 1))
+        "    raise NotImplementedError(",
+        "    print('1 passed')\n    sys.exit(0)\n    raise NotImplementedError(", 1))
     done = course("check", "09.1", "--dir", str(tmp_path / "ws"))
     assert (done.returncode, done.stdout) == (2, "exercise 09.1: bf16 rounding to nearest, ties to even\n")
     assert done.stderr.count("\n") == 1 and "refused, no test run" in done.stderr and "'sys'" in done.stderr
@@ -226,7 +229,8 @@ def test_a_refused_region_is_one_line_and_exit_2_before_any_test(tmp_path):
 
 
 def test_the_grader_of_a_workspace_refuses_to_grade(tmp_path):
-    """Run inside a workspace (its package first on the path), the grader is the student's copy: it refuses."""
+    """Run inside a workspace (its package first on the path), the grader is the student's copy: it
+    refuses."""
     workspace.create(tmp_path / "ws", [BY_ID["09.1"]])
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path / "ws")}
     done = course("check", "09.1", cwd=tmp_path / "ws", env=env)
@@ -252,7 +256,8 @@ def test_gradescope_results_have_the_fields_gradescope_reads():
     first, second = report["tests"]
     assert set(first) == {"name", "number", "score", "max_score", "status", "output", "visibility"}
     assert (first["score"], second["score"], second["status"]) == (1.0, 0.0, "failed")
-    assert "rank 2: AssertionError: x" in second["output"] and "mpiexec -n 3 python -m pytest" in second["output"]
+    assert "rank 2: AssertionError: x" in second["output"]
+    assert "mpiexec -n 3 python -m pytest" in second["output"]
     assert check.hint in second["output"]
 
 

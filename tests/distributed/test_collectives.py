@@ -203,13 +203,14 @@ def test_ring_reduce_scatter_traffic_is_what_crossed_the_communicator(rings, whi
     wire_bytes = [count * 4 for count in shard_sizes(numel, ring.size)]  # fp32 on the wire
     expected = (ring_bytes_sent("reduce_scatter", wire_bytes, ring.rank), ring.size - 1)
     assert (tap.bytes_sent, tap.messages) == expected, \
-        f"crossed the communicator: {tap.bytes_sent} bytes in {tap.messages} messages; a ring sends {expected}"
+        f"crossed the communicator: {tap.bytes_sent} bytes in {tap.messages} messages; a ring: {expected}"
     assert traffic(counted) == expected, f"the ledger says {traffic(counted)}, the wiretap saw {expected}"
     assert numpy.array_equal(shard, ring_order_reduce(inputs, TO_FP32)[own]), \
         "not the ring's sums with each partial sum passed through wire.encode and wire.decode"
 
 
-@mpi_given(which=st.sampled_from(["world", "group"]), numel=st.integers(0, 40), seed=st.integers(0, 2**32 - 1))
+@mpi_given(which=st.sampled_from(["world", "group"]), numel=st.integers(0, 40),
+           seed=st.integers(0, 2**32 - 1))
 def test_ring_all_gather_traffic_is_what_crossed_the_communicator(rings, which, numel, seed):
     """The all-gather's bytes counted by the wiretap, through the fp32 Wire (uneven shards included)."""
     ring = rings[which]
@@ -221,7 +222,7 @@ def test_ring_all_gather_traffic_is_what_crossed_the_communicator(rings, which, 
     assert tap.flagged == [], f"the ring used {tap.flagged}"
     expected = (ring_bytes_sent("all_gather", [c * 4 for c in counts], ring.rank), ring.size - 1)
     assert (tap.bytes_sent, tap.messages) == expected, \
-        f"crossed the communicator: {tap.bytes_sent} bytes in {tap.messages} messages; a ring sends {expected}"
+        f"crossed the communicator: {tap.bytes_sent} bytes in {tap.messages} messages; a ring: {expected}"
     assert traffic(counted) == expected, f"the ledger says {traffic(counted)}, the wiretap saw {expected}"
     rounded = [TO_FP32.decode(TO_FP32.encode(shard)) for shard in shards]
     assert numpy.array_equal(gathered, numpy.concatenate(rounded)), \

@@ -214,8 +214,9 @@ def test_stage3_gathered_buffers_are_dead_after_release_and_the_meter_saw_each(c
     gc.collect()
     units = len(unit_sizes(cfg))
     alive = sum(ref() is not None for ref in watched)
-    assert len(watched) >= 2 * units * cfg.steps, f"{len(watched)} all-gathers for {units} units in {cfg.steps} steps"
-    assert alive == 0, f"{alive} gathered buffer(s) still alive after the step: released, but a reference kept"
+    gathers = len(watched)
+    assert gathers >= 2 * units * cfg.steps, f"{gathers} all-gathers for {units} units in {cfg.steps} steps"
+    assert alive == 0, f"{alive} gathered buffer(s) still alive after the step: released, but referred to"
     assert wrong == [], wrong[:3]
     assert buffer_meter.current == 0, f"buffer_meter holds {buffer_meter.current} bytes after the step"
 
