@@ -481,17 +481,19 @@ BANK: tuple[Wrong, ...] = (
             return
         buffer_meter.release(unit.flat.nbytes)
         unit.flat = None"""),
-    W("04.3", "gathers again a unit that is still whole", "test_stage3_sends_one_and_a_half_times_stage1",
-      "already whole", """
-        pending = self.prefetched.pop(self.units.index(unit), None)
+    W("04.3", "gathers, but leaves the parameters pointing at the freed empty array",
+      "test_one_rank_trains_to_the_reference_and_holds_the_formulas_bytes[3]", "gathered", """
         if unit.flat is not None:
-            buffer_meter.release(unit.flat.nbytes)
+            return
+        pending = self.prefetched.pop(self.units.index(unit), None)
         if pending is not None:
             unit.flat = pending.wait()
         else:
             unit.flat = self.comm.all_gather(unit.param_shard, numel=unit.padded)
-            buffer_meter.add(unit.flat.nbytes)
-        unit.point_params_at(unit.flat)""", None),
+            buffer_meter.add(unit.flat.nbytes)""", None),
+    W("04.3", "releases the parameters but never the meter's bytes",
+      "test_stages_2_and_3_hold_one_units_full_gradients_at_a_time[3]", "buffer_meter", None,
+      ZERO3_RELEASE.format(meter="pass", keep="")),
     # 05.1 f and g
     W("05.1", "f's backward is the identity", "test_column_parallel_linear", "backward", """
         return grad, None""", None),
@@ -552,9 +554,17 @@ BANK: tuple[Wrong, ...] = (
       "costliest", """
         step = n // stages
         return [range(k * step, (k + 1) * step if k < stages - 1 else n) for k in range(stages)]"""),
-    W("06.3", "ties to the latest cut", "test_embedding_and_head_count_as_blocks", "earliest",
-      PARTITION.format(key="tuple(sorted(best[k - 1, i] + (int(prefix[j] - prefix[i]),), reverse=True))",
-                       tie="-i", cut="-where")),
+    W("06.3", "greedy: close a stage once it reaches the average cost",
+      "test_partition_is_contiguous_nonempty_and_balanced", "costliest", """
+        target = sum(costs) / stages
+        bounds, start, acc = [], 0, 0
+        for i, c in enumerate(costs):
+            acc += c
+            if acc >= target and len(bounds) < stages - 1 and n - i - 1 >= stages - 1 - len(bounds):
+                bounds.append(range(start, i + 1))
+                start, acc = i + 1, 0
+        bounds.append(range(start, n))
+        return bounds"""),
     W("06.3", "compares the stage costs in stage order, not sorted",
       "test_partition_is_contiguous_nonempty_and_balanced", "costliest",
       PARTITION.format(key="best[k - 1, i] + (int(prefix[j] - prefix[i]),)", tie="i", cut="where")),
@@ -568,9 +578,10 @@ BANK: tuple[Wrong, ...] = (
         if posted is None:
             return self.comm.recv(shape, self.dtype, source, tag=tag)
         return posted.wait()""", None),
-    W("06.4", "forgets the send's request",
-      "test_a_pipeline_with_receives_posted_early_trains_like_one_process_and_sends_the_same", "send", None, """
-        self.comm.isend(array, dest, tag=tag)"""),
+    W("06.4", "sends every message with tag 0",
+      "test_a_pipeline_with_receives_posted_early_trains_like_one_process_and_sends_the_same", "tag", None, """
+        self.pending_sends.append(self.comm.isend(array, dest, tag=0))
+        self.pending_sends = [r for r in self.pending_sends if not r.Test()]"""),
     # 07.1 the process grid
     W("07.1", "coordinates returned as (dp, pp, cp, tp)", "test_process_grid_for_every_factorisation",
       "coordinate", """
@@ -578,7 +589,7 @@ BANK: tuple[Wrong, ...] = (
         pp_rank, rest = divmod(rest, self.cp_size * self.tp_size)
         cp_rank, tp_rank = divmod(rest, self.tp_size)
         return dp_rank, pp_rank, cp_rank, tp_rank""", None),
-    W("07.1", "rank_of forgets cp", "test_process_grid_for_every_factorisation", "coordinate", None, """
+    W("07.1", "rank_of forgets cp", "test_coordinates_of_every_rank_for_every_four_way_layout", "cp", None, """
         return (dp_rank * self.pp_size + pp_rank) * self.tp_size + tp_rank"""),
     W("07.1", "tp varies slowest", "test_process_grid_for_every_factorisation", "neighbours", """
         tp_rank, rest = divmod(rank, self.dp_size * self.pp_size * self.cp_size)

@@ -150,7 +150,8 @@ def gradescope(results: dict[str, list[grading.Outcome]], seconds: float, refuse
     for exercise_id, outcomes in results.items():
         for outcome in outcomes:
             output = ("" if outcome.passed else
-                      f"{outcome.detail}\nhint: {outcome.check.hint}\nrerun in your workspace: {outcome.rerun}")
+                      f"{outcome.detail}\nhint: {outcome.check.hint}\n"
+                      f"rerun in your workspace: {outcome.rerun}")
             tests.append({"name": f"{exercise_id} {outcome.check.node} ({grading.where(outcome.ranks)})",
                           "number": f"{exercise_id}.{len(tests) + 1}", "score": float(outcome.passed),
                           "max_score": 1.0, "status": "passed" if outcome.passed else "failed",
@@ -193,7 +194,8 @@ def check_main(args) -> int:
             results[exercise_id] = grading.run_exercise(BY_ID[exercise_id], submission, report=report)
     except splice.Refused as error:
         if form == "gradescope":
-            _write(json.dumps(gradescope({}, time.monotonic() - started, f"refused: {error}"), indent=1), args.out)
+            refused = gradescope({}, time.monotonic() - started, f"refused: {error}")
+            _write(json.dumps(refused, indent=1), args.out)
         return fail(PROG, f"refused, no test run: {error}")
     passed = all(outcome.passed for outcomes in results.values() for outcome in outcomes)
     if form == "json":

@@ -220,6 +220,10 @@ _ROWS = (
         Check(T + "distributed/test_comm.py::test_single_rank_grid_and_its_errors",
               "coords_of(rank) is (dp, pp, tp, cp) with tp varying fastest, then cp, then pp, then dp; "
               "rank_of is its inverse"),
+        Check(T + "distributed/test_comm.py::test_coordinates_of_every_rank_for_every_four_way_layout",
+              "count the ranks as nested loops over dp, pp, cp, tp with tp innermost: coords_of(rank) is "
+              "(dp, pp, tp, cp) (note the order) and rank_of its inverse, with cp a coordinate like the "
+              "others"),
         Check(T + "distributed/test_comm.py::test_process_grid_for_every_factorisation",
               "rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank: tensor-parallel partners "
               "must be neighbours, and each sub-communicator the ranks that differ in one coordinate",

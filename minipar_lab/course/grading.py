@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,9 @@ from minipar_lab.course.workspace import ROOT, is_workspace
 
 TIMEOUT_S = 240
 RUNNER = Path(__file__).resolve().parent / "run_check.py"
-RANK_BLOCK = re.compile(r"^----- rank (?P<rank>\d+) -----$", re.MULTILINE)
+RANK_BLOCK = re.compile(r"^[ \t]*----- rank (?P<rank>\d+) -----[ \t]*$", re.MULTILINE)
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Failure|Exit|Interrupt)\b")
+GROUP_BAR, GROUP_RULE = re.compile(r"^\s*\| "), re.compile(r"^\s*\+[-+]")  # an exception group's frame
 
 
 @dataclass
@@ -78,6 +81,7 @@ def rerun_command(check: Check, ranks: int) -> str:
 def _environment(tree: Path, reports: Path) -> dict[str, str]:
     return launch.mpi_environment({
         "PYTHONPATH": str(tree), "MINIPAR_COURSE_TREE": str(tree), "MINIPAR_COURSE_REPORT": str(reports),
+        "MINIPAR_TEST_REPORT_DIR": str(reports),  # where the harness writes a rank's abort: rank-R.txt
         "MPIEXEC_TIMEOUT": str(TIMEOUT_S), "MINIPAR_TEST_GRACE_S": "10", "COLUMNS": "200"})
 
 
@@ -94,14 +98,15 @@ def _expected(tests: dict, node: str) -> dict:
 def assertion_of(message: str) -> str:
     """The failing rank's own assertion out of a test's failure text: with the harness's 'failed on
     rank(s) ...' the first failing rank's exception lines, else pytest's `E` lines, else the last line."""
-    explained = [line[4:] for line in message.splitlines() if line.startswith("E ")]  # "E   " + the line
+    explained = [GROUP_BAR.sub("", line[4:], count=1) for line in message.splitlines()
+                 if line.startswith("E ") and not GROUP_RULE.match(line[4:])]  # "E   " + the line
     if explained:
         message = "\n".join(explained)
     blocks = RANK_BLOCK.split(message)
     if len(blocks) >= 3:  # [before, rank, text, rank, text, ...]
-        rank, text = blocks[1], blocks[2]
-        lines = [line for line in text.strip().splitlines() if line.strip()]
-        starts = [i for i, line in enumerate(lines) if not line.startswith((" ", "Traceback"))]
+        rank, text = blocks[1], textwrap.dedent(blocks[2].strip("\n"))
+        lines = [line for line in text.splitlines() if line.strip()]
+        starts = [i for i, line in enumerate(lines) if EXCEPTION_LINE.match(line)]
         shown = lines[starts[-1]:starts[-1] + 3] if starts else lines[-1:]
         return f"rank {rank}: " + " | ".join(line.strip() for line in shown)
     if explained:
@@ -111,9 +116,10 @@ def assertion_of(message: str) -> str:
 
 
 def verdict(node: str, ranks: int, returncode: int | None, reports: dict[int, dict | None],
-            output: str = "") -> tuple[bool, str]:
+            output: str = "", aborts: dict[int, str] | None = None) -> tuple[bool, str]:
     """PASS iff the run ended (returncode not None), every rank 0..ranks-1 wrote a report, each report
-    names the check's tests, each of them passed on every rank, and the exit code is 0."""
+    names the check's tests, each of them passed on every rank, and the exit code is 0. `aborts`: what
+    the multi-rank harness wrote (MINIPAR_TEST_REPORT_DIR) for a rank that aborted the job."""
     where = "1 process" if ranks == 1 else f"{ranks} ranks"
     if returncode is None:
         return False, f"no verdict after {TIMEOUT_S + 20} s on {where} (a hang?)"
@@ -122,16 +128,21 @@ def verdict(node: str, ranks: int, returncode: int | None, reports: dict[int, di
     if missing:
         if returncode == 3 and lines:
             return False, lines[-1][:300]
-        return False, (f"rank(s) {missing} of {ranks} wrote no report: the process crashed or was killed "
+        for rank, text in sorted((aborts or {}).items()):
+            first = text.strip().splitlines()[0] if text.strip() else ""
+            why = first if "still running after" in first else assertion_of(text)
+            return False, f"on {where}, rank {rank} aborted the job (exit code {returncode}): {why}"[:600]
+        return False, (f"on {where}, rank(s) {missing} wrote no report: the process crashed or was killed "
                        f"(exit code {returncode}); last output: {lines[-1][:200] if lines else 'none'}")
     for rank in range(ranks):
         report = reports[rank]
         if report.get("collect_errors"):
-            return False, f"rank {rank}: the test file did not load: {assertion_of(report['collect_errors'][0])}"
+            why = assertion_of(report["collect_errors"][0])
+            return False, f"rank {rank}: the test file did not load: {why}"
         expected = _expected(report.get("tests", {}), node)
         if not expected:
             return False, f"rank {rank}: {node} did not run (not collected)"
-        for name, result in expected.items():
+        for result in expected.values():
             if result["outcome"] in ("failed", "error"):
                 kind = "an error outside the test" if result["outcome"] == "error" else "failed"
                 return False, f"{kind} on {where}: {assertion_of(result['message'])}"[:600]
@@ -143,23 +154,29 @@ def verdict(node: str, ranks: int, returncode: int | None, reports: dict[int, di
     return True, ""
 
 
-def _read_reports(folder: Path, ranks: int) -> dict[int, dict | None]:
+def _read_reports(folder: Path, ranks: int) -> tuple[dict[int, dict | None], dict[int, str]]:
+    """The plugin's report of each rank (None: none written), and the harness's abort texts."""
     reports: dict[int, dict | None] = {}
+    aborts: dict[int, str] = {}
     for rank in range(ranks):
         try:
             reports[rank] = json.loads((folder / f"rank-{rank}.json").read_text())
         except (OSError, ValueError):
             reports[rank] = None
-    return reports
+        try:
+            aborts[rank] = (folder / f"rank-{rank}.txt").read_text(errors="replace")
+        except OSError:
+            pass
+    return reports, aborts
 
 
 def run_check(check: Check, ranks: int, tree: Path) -> Outcome:
     """Run one check at one rank count in a graded tree (made by prepare) and judge it."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="minipar-reports-") as folder:
-        process = subprocess.Popen(_command(check, ranks, tree), cwd=tree, env=_environment(tree, Path(folder)),
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True)
+        process = subprocess.Popen(_command(check, ranks, tree), cwd=tree,
+                                   env=_environment(tree, Path(folder)), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             output, _ = process.communicate(timeout=TIMEOUT_S + 20)
             returncode: int | None = process.returncode
@@ -167,7 +184,8 @@ def run_check(check: Check, ranks: int, tree: Path) -> Outcome:
             os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
             returncode = None
-        passed, detail = verdict(check.node, ranks, returncode, _read_reports(Path(folder), ranks), output)
+        reports, aborts = _read_reports(Path(folder), ranks)
+        passed, detail = verdict(check.node, ranks, returncode, reports, output or "", aborts)
     return Outcome(check, ranks, passed, time.monotonic() - started, detail)
 
 

@@ -8,7 +8,8 @@ workspace, must be graded FAIL at its named check (at the first of its rank coun
 keyword in the failure's detail or hint.
 
     python -m minipar_lab.course.selftest [ID ...]          stub, solution and bank (default: all)
-    python -m minipar_lab.course.selftest --bank [ID ...]   the bank only
+    python -m minipar_lab.course.selftest --bank [ID ...]   the bank only (ID/TEXT: the entries whose
+                                                            name contains TEXT)
 
 `--within-lessons` reports instead which checks of a lesson's other exercises a stub breaks: the
 exercises a student given the whole lesson must take in order (information, not a failure).
@@ -46,6 +47,10 @@ def selftest(exercise: Exercise) -> list[str]:
     return problems
 
 
+def _indented(body: str, indent: str) -> str:
+    return "".join(indent + line if line.strip() else line for line in body.splitlines(keepends=True))
+
+
 def write_wrong(folder: Path, wrong: Wrong, reference: Path = workspace.ROOT) -> None:
     """Put the wrong solution's bodies into the workspace's regions (None: the reference's body)."""
     for path in workspace.files_of(wrong.exercise, reference):
@@ -53,9 +58,9 @@ def write_wrong(folder: Path, wrong: Wrong, reference: Path = workspace.ROOT) ->
         lines = text.splitlines(keepends=True)
         regions = [r for r in regions_in(text, path) if r.exercise == wrong.exercise]
         if len(regions) != len(wrong.bodies):
-            raise ValueError(f"{wrong.exercise} {wrong.name!r}: {len(wrong.bodies)} bodies for {len(regions)} regions")
-        bodies = ["".join(lines[r.start + 1:r.end]) if body is None else
-                  "".join(r.indent + line if line.strip() else line for line in body.splitlines(keepends=True))
+            raise ValueError(f"{wrong.exercise} {wrong.name!r}: {len(wrong.bodies)} bodies for "
+                             f"{len(regions)} regions")
+        bodies = ["".join(lines[r.start + 1:r.end]) if body is None else _indented(body, r.indent)
                   for r, body in zip(regions, wrong.bodies)]
         (folder / path).write_text(splice._splice_file(text, path, {wrong.exercise: bodies}))
 
@@ -83,10 +88,12 @@ def bank_problem(wrong: Wrong, tree_folder: Path, submission: Path) -> tuple[str
         shutil.rmtree(tree_folder, ignore_errors=True)
 
 
-def bank(chosen: list[Exercise]) -> int:
+def bank(chosen: list[Exercise], names: dict[str, str] | None = None) -> int:
+    """Grade every wrong solution of the chosen exercises (names[id]: only those whose name contains it)."""
     bad = total = 0
     for exercise in chosen:
-        entries = [wrong for wrong in BANK if wrong.exercise == exercise.id]
+        entries = [wrong for wrong in BANK if wrong.exercise == exercise.id
+                   and (names or {}).get(exercise.id, "") in wrong.name]
         with tempfile.TemporaryDirectory(prefix=f"course-bank-{exercise.id}-") as folder:
             submission = Path(folder) / "workspace"
             workspace.create(submission, [exercise])
@@ -131,12 +138,14 @@ def main(argv: list[str]) -> int:
         return within_lessons()
     only_bank = argv[:1] == ["--bank"]
     argv = argv[1:] if only_bank else argv
+    names = dict(arg.split("/", 1) for arg in argv if "/" in arg)  # --bank 04.3/leak: those entries only
+    argv = list(dict.fromkeys(arg.split("/", 1)[0] for arg in argv))
     unknown = [i for i in argv if i not in BY_ID]
     if unknown:
         return fail("minipar course selftest", f"no exercise {unknown[0]}")
     chosen = [BY_ID[i] for i in argv] if argv else list(EXERCISES)
     if only_bank:
-        return 1 if bank(chosen) else 0
+        return 1 if bank(chosen, names) else 0
     failures = 0
     for exercise in chosen:
         started = time.monotonic()

@@ -1,4 +1,4 @@
-"""What of a student's files is graded: the text of the exercise regions, screened, spliced into the reference.
+"""What of a student's files is graded: the exercise regions' text, screened, spliced into the reference.
 
 The threat model (lessons/course.md, "What a grade means"): a student hands in a workspace, and may have
 edited anything in it, the tests, the conftests, the harness, the grader, the guard plugin, the ring's

@@ -87,12 +87,27 @@ def test_every_rank_must_report(missing):
     reports = every_rank(3)
     reports[missing] = None
     passed, detail = grading.verdict(NODE, 3, 0, reports)
-    assert not passed and f"rank(s) [{missing}] of 3 wrote no report" in detail
+    assert not passed and f"on 3 ranks, rank(s) [{missing}] wrote no report" in detail
 
 
 def test_a_crash_before_any_report_is_no_pass():
     passed, detail = grading.verdict(NODE, 2, 134, {0: None, 1: None}, "lots\nSegmentation fault\n")
     assert not passed and "exit code 134" in detail and "Segmentation fault" in detail
+
+
+def test_a_rank_that_aborted_the_job_shows_its_own_assertion():
+    """The harness aborts the job when one rank failed and the others wait in a collective it skipped;
+    its traceback (MINIPAR_TEST_REPORT_DIR/rank-R.txt) is the failure shown, not mpiexec's last words."""
+    aborted = ("[rank 1] failed, and 10 s later the other ranks are still in the test body, probably "
+               "waiting in a collective this rank never reached; aborting the job.\n[rank 1] Traceback "
+               "(most recent call last):\n  File \"x.py\", line 1, in f\nAssertionError: wrong chunk\n")
+    passed, detail = grading.verdict(NODE, 2, 1, {0: None, 1: None}, "MPI_ABORT was invoked\n",
+                                     {1: aborted})
+    assert not passed and detail.startswith("on 2 ranks, rank 1 aborted the job")
+    assert "AssertionError: wrong chunk" in detail
+    hung = "[rank 0] t still running after 60 s (MINIPAR_TEST_DEADLOCK_S): a deadlock?\n  File x\n"
+    passed, detail = grading.verdict(NODE, 2, 1, {0: None, 1: None}, "", {0: hung})
+    assert not passed and "still running after 60 s" in detail
 
 
 def test_a_hang_is_no_pass():
