@@ -62,7 +62,8 @@ multinode: $(INSTALLED)
 	cd tests/multinode && NODES=$(or $(NODES),2) ../../$(PYTHON) cluster.py
 
 # Every exercise of the coursework (lessons/course.md): in a fresh workspace its checks fail on the stub
-# and pass once the reference's files are copied back (minipar_lab/course/selftest.py; a few minutes).
+# and pass once the reference's files are copied back, and every known-wrong solution of the bank
+# (minipar_lab/course/bank.py) is graded FAIL at its check (minipar_lab/course/selftest.py; most of an hour).
 course-selftest: $(INSTALLED)
 	@t=$$(date +%s); $(PYTHON) -m minipar_lab.course.selftest; s=$$?; $(call say,course selftest,$$t); exit $$s
 

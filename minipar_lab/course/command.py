@@ -3,19 +3,25 @@
     course list [--json] [--lesson LL]
     course new DIR [--lesson LL | --exercise ID ...]     a workspace with those regions stubbed
     course check ID [--dir DIR] | --all [--json]          grade a workspace (default DIR: .)
+    course check --submission DIR --exercise ID           grade loose submitted files (or a workspace)
+        [--format text|json|gradescope] [--out PATH]      gradescope: results.json for Gradescope, to PATH
 
-Bad input (an unknown id or lesson, a DIR that is missing or no workspace, a DIR for `new` that is not
-empty) is one line and exit code 2, before anything runs. `check` exits 0 iff every check passed.
+Grading runs in a temporary copy of the reference (this project) with only the exercise regions taken from
+the student's files (grading.py, splice.py): run it from the reference's checkout, never a workspace's.
+Bad input (an unknown id or lesson, a DIR that is missing or no workspace, a manifest that does not read,
+a DIR for `new` that is not empty, a region that is refused) is one line and exit code 2, before any test
+runs. `check` exits 0 iff every check passed.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from minipar.trainer.arguments import OneLineParser, fail
-from minipar_lab.course import grading, workspace
+from minipar_lab.course import grading, splice, workspace
 from minipar_lab.course.exercises import BY_ID, EXERCISES, Exercise
 
 PROG = "minipar course"
@@ -36,7 +42,12 @@ def parser() -> OneLineParser:
     check.add_argument("id", nargs="?")
     check.add_argument("--all", action="store_true", help="every exercise the workspace was made for")
     check.add_argument("--dir", type=Path, default=Path("."))
-    check.add_argument("--json", action="store_true")
+    check.add_argument("--json", action="store_true", help="the same as --format json")
+    check.add_argument("--submission", type=Path, help="loose submitted files (or a workspace) to grade "
+                       "for --exercise, without a manifest")
+    check.add_argument("--exercise", action="append", help="with --submission: an exercise id (repeatable)")
+    check.add_argument("--format", choices=("text", "json", "gradescope"), default=None)
+    check.add_argument("--out", type=Path, help="write the json or gradescope report here (default: stdout)")
     return p
 
 
@@ -103,33 +114,97 @@ def new_main(args) -> int:
     return 0
 
 
-def check_main(args) -> int:
+def _chosen(args) -> list[str] | str:
+    """The exercise ids to grade, or the one-line reason there are none."""
+    if args.submission is not None:
+        if args.id is not None or args.all:
+            return "--submission takes --exercise ID, not an id or --all"
+        if not args.exercise:
+            return "--submission needs --exercise ID"
+        if not args.submission.is_dir():
+            return f"no folder {args.submission}"
+        return list(dict.fromkeys(args.exercise))
+    if args.exercise:
+        return "--exercise goes with --submission (a workspace: check ID --dir DIR)"
     if args.all == (args.id is not None):
-        return fail(PROG, "check takes one exercise id or --all")
+        return "check takes one exercise id or --all"
     if args.id is not None and args.id not in BY_ID:
-        return fail(PROG, f"no exercise {args.id} (python -m minipar course list shows them)")
+        return f"no exercise {args.id} (python -m minipar course list shows them)"
     if not args.dir.is_dir():
-        return fail(PROG, f"no folder {args.dir}")
+        return f"no folder {args.dir}"
     if not workspace.is_workspace(args.dir):
-        return fail(PROG, f"{args.dir} is not a course workspace (no {workspace.MANIFEST}: "
-                          "make one with python -m minipar course new DIR)")
-    folder = args.dir.resolve()
-    ids = workspace.handed_out(folder) if args.all else [args.id]
+        return (f"{args.dir} is not a course workspace (no {workspace.MANIFEST}: "
+                "make one with python -m minipar course new DIR)")
+    if not args.all:
+        return [args.id]
+    try:
+        ids = workspace.handed_out(args.dir)
+    except workspace.BadManifest as error:
+        return str(error)
+    return ids
+
+
+def gradescope(results: dict[str, list[grading.Outcome]], seconds: float, refused: str = "") -> dict:
+    """Gradescope's results.json: one test per check and rank count, one point each."""
+    tests = []
+    for exercise_id, outcomes in results.items():
+        for outcome in outcomes:
+            output = ("" if outcome.passed else
+                      f"{outcome.detail}\nhint: {outcome.check.hint}\n"
+                      f"rerun in your workspace: {outcome.rerun}")
+            tests.append({"name": f"{exercise_id} {outcome.check.node} ({grading.where(outcome.ranks)})",
+                          "number": f"{exercise_id}.{len(tests) + 1}", "score": float(outcome.passed),
+                          "max_score": 1.0, "status": "passed" if outcome.passed else "failed",
+                          "output": output, "visibility": "visible"})
+    summary = refused or f"{sum(t['status'] == 'passed' for t in tests)} of {len(tests)} checks passed"
+    report = {"tests": tests, "execution_time": round(seconds, 1), "output": summary}
+    if refused:
+        report["score"] = 0.0
+    return report
+
+
+def _write(text: str, out: Path | None) -> None:
+    if out is None:
+        print(text)
+    else:
+        out.write_text(text + "\n")
+
+
+def check_main(args) -> int:
+    ids = _chosen(args)
+    if isinstance(ids, str):
+        return fail(PROG, ids)
     unknown = [i for i in ids if i not in BY_ID]
     if unknown:
-        return fail(PROG, f"{args.dir} was made for exercise {unknown[0]}, which this minipar does not have")
-    report = None if args.json else (lambda outcome: print(grading.describe(outcome), flush=True))
-    results = {}
-    for exercise_id in ids:
-        if not args.json:
-            print(f"exercise {exercise_id}: {BY_ID[exercise_id].title}")
-        results[exercise_id] = grading.run_exercise(BY_ID[exercise_id], folder, report=report)
+        where = "--exercise" if args.submission is not None else f"{args.dir} was made for exercise"
+        return fail(PROG, f"{where} {unknown[0]}, which this minipar does not have")
+    form = args.format or ("json" if args.json else "text")
+    submission = (args.submission if args.submission is not None else args.dir).resolve()
+    try:
+        grading.refuse_if_a_workspace()
+    except grading.GraderIsAWorkspace as error:
+        return fail(PROG, str(error))
+    report = (lambda outcome: print(grading.describe(outcome), flush=True)) if form == "text" else None
+    started = time.monotonic()
+    results: dict[str, list[grading.Outcome]] = {}
+    try:
+        for exercise_id in ids:
+            if form == "text":
+                print(f"exercise {exercise_id}: {BY_ID[exercise_id].title}", flush=True)
+            results[exercise_id] = grading.run_exercise(BY_ID[exercise_id], submission, report=report)
+    except splice.Refused as error:
+        if form == "gradescope":
+            refused = gradescope({}, time.monotonic() - started, f"refused: {error}")
+            _write(json.dumps(refused, indent=1), args.out)
+        return fail(PROG, f"refused, no test run: {error}")
     passed = all(outcome.passed for outcomes in results.values() for outcome in outcomes)
-    if args.json:
-        print(json.dumps({"workspace": str(folder), "passed": passed,
-                          "exercises": [{"id": i, "passed": all(o.passed for o in outcomes),
-                                         "checks": [o.as_json() for o in outcomes]}
-                                        for i, outcomes in results.items()]}, indent=1))
+    if form == "json":
+        _write(json.dumps({"workspace": str(submission), "passed": passed,
+                           "exercises": [{"id": i, "passed": all(o.passed for o in outcomes),
+                                          "checks": [o.as_json() for o in outcomes]}
+                                         for i, outcomes in results.items()]}, indent=1), args.out)
+    elif form == "gradescope":
+        _write(json.dumps(gradescope(results, time.monotonic() - started), indent=1), args.out)
     else:
         total = sum(len(outcomes) for outcomes in results.values())
         good = sum(o.passed for outcomes in results.values() for o in outcomes)

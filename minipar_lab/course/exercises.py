@@ -58,16 +58,28 @@ _ROWS = (
               "accumulate into their .grad once per backward, and the inputs' gradients be returned"),)),
     Exercise("02.1", "the ring reduce-scatter", "The code", 2, (
         Check(T + "distributed/test_collectives.py::test_ring_reduce_scatter",
-              "shard c must end on rank c, summed in the ring's order (it starts at rank c+1): in step s, "
-              "send the partial sum of chunk (rank - s - 1) and add the arriving one to your own slice",
-              (2, 3)),
+              "shard c must end on rank c, summed in the ring's order (chunk c starts at rank c+1): in "
+              "the lesson's step s = 1 .. N-1, rank r sends its partial sum of chunk r - s and adds its "
+              "own piece to the arriving chunk r - s - 1 (mod N); after step N-1 that is chunk r. Right "
+              "at 2 ranks but not 3 or 4: check the chunk indices mod N",
+              (2, 3, 4)),
+        Check(T + "distributed/test_collectives.py::test_ring_reduce_scatter_traffic_is_what_crossed_the_communicator",
+              "the bytes are counted on the communicator itself: N - 1 point-to-point messages of one "
+              "chunk each (ring.pass_right), no object methods and no MPI collective; each partial sum "
+              "goes through wire.encode before it is sent and wire.decode after it arrives",
+              (2, 3, 4)),
         Check(T + "distributed/test_collectives.py::test_ring_all_reduce",
               "the all-reduce is your reduce-scatter then the all-gather: check the reduce-scatter first",
               (4,)))),
     Exercise("02.2", "the ring all-gather", "Uneven sizes and the traffic ledger", 1, (
         Check(T + "distributed/test_collectives.py::test_ring_all_gather_of_uneven_shards",
               "each rank's shard must land at its offset (the cumulative sum of the counts before it); "
-              "pass what you received on to the right, N - 1 times", (2, 3)),
+              "pass what you received on to the right, N - 1 times", (2, 3, 4)),
+        Check(T + "distributed/test_collectives.py::test_ring_all_gather_traffic_is_what_crossed_the_communicator",
+              "the bytes are counted on the communicator itself: N - 1 point-to-point messages, each the "
+              "chunk received last (in the first step your own), no object methods and no MPI "
+              "collective; every chunk, your own too, goes through wire.encode and wire.decode",
+              (2, 3, 4)),
         Check(T + "distributed/test_collectives.py::test_ring_all_reduce",
               "the all-reduce is the reduce-scatter then your all-gather", (4,)))),
     Exercise("04.1", "ZeRO's model-state bytes per parameter, stage by stage", "The paper's table, from the planner",
@@ -152,6 +164,19 @@ _ROWS = (
               "gather: all-gather the shard into unit.flat (or wait for the prefetch) and point the "
               "parameters at it; release: give its bytes back to buffer_meter, drop unit.flat, and leave "
               "every parameter the empty array unit.freed"),
+        Check(T + "parallel/test_zero.py::test_one_rank_trains_to_the_reference_and_holds_the_formulas_bytes[3]",
+              "one rank of ZeRO-3 must train as the plain model does: the forward and backward must run on "
+              "the gathered parameters (what all_gather returns), not on a buffer of your own"),
+        Check(T + "parallel/test_zero.py::test_zero_trains_to_the_single_process_losses_and_weights",
+              "ZeRO-3 must train to one process's losses and weights: the parameters a unit computes with "
+              "are what all_gather returned, every rank's shard in rank order", (2,)),
+        Check(T + "parallel/test_zero.py::test_stage3_gathered_buffers_are_dead_after_release_and_the_meter_saw_each",
+              "memory is read from the live buffers: after a release nothing may still refer to the "
+              "gathered buffer (no list of them, no copy kept), and buffer_meter must grow by its bytes "
+              "at the gather and shrink by them at the release", (2,)),
+        Check(T + "parallel/test_zero.py::test_stages_2_and_3_hold_one_units_full_gradients_at_a_time[3]",
+              "the peak of buffer_meter must be one unit's gradients, their flat copy and its gathered "
+              "parameters: count each gather in buffer_meter and release it when the unit is done", (2,)),
         Check(T + "parallel/test_zero.py::test_stage3_sends_one_and_a_half_times_stage1",
               "stage 3 gathers each unit twice (forward and backward) and reduce-scatters once: 1.5x "
               "stage 1's bytes; a unit already whole must not be gathered again", (2,)))),
@@ -178,6 +203,10 @@ _ROWS = (
         Check(T + "parallel/test_context.py::test_the_online_softmax_over_blocks_is_the_softmax_of_the_whole_row",
               "keep the running maximum m, total l and output o: with m' = max(m, max s), rescale l and o "
               "by exp(m - m'), then add sum(exp(s - m')) and exp(s - m') @ v"),
+        Check(T + "parallel/test_context.py::test_the_online_softmax_stays_finite_and_exact_for_large_scores",
+              "scores near 800 overflow exp(): subtract the running maximum before exp, never the raw "
+              "scores; and shift by the maximum over every block so far, not the block's own (a block "
+              "of +400 then one of -400), rescaling what was summed when the maximum grows"),
         Check(T + "parallel/test_context.py::test_ring_attention_on_one_rank_is_causal_attention_and_its_gradients",
               "ring attention on one rank is causal attention: the online softmax must agree to rounding"),)),
     Exercise("15.1", "top-k routing with a capacity per expert", "Capacity, and why per sequence", 2, (
@@ -191,6 +220,10 @@ _ROWS = (
         Check(T + "distributed/test_comm.py::test_single_rank_grid_and_its_errors",
               "coords_of(rank) is (dp, pp, tp, cp) with tp varying fastest, then cp, then pp, then dp; "
               "rank_of is its inverse"),
+        Check(T + "distributed/test_comm.py::test_coordinates_of_every_rank_for_every_four_way_layout",
+              "count the ranks as nested loops over dp, pp, cp, tp with tp innermost: coords_of(rank) is "
+              "(dp, pp, tp, cp) (note the order) and rank_of its inverse, with cp a coordinate like the "
+              "others"),
         Check(T + "distributed/test_comm.py::test_process_grid_for_every_factorisation",
               "rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank: tensor-parallel partners "
               "must be neighbours, and each sub-communicator the ranks that differ in one coordinate",

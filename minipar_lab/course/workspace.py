@@ -28,9 +28,26 @@ def is_workspace(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
 
 
+class BadManifest(ValueError):
+    """A manifest that does not read as a list of exercise ids (truncated, emptied, edited)."""
+
+
 def handed_out(folder: Path) -> list[str]:
-    """The exercise ids a workspace was made for."""
-    return json.loads((folder / MANIFEST).read_text())["exercises"]
+    """The exercise ids a workspace was made for (at least one); BadManifest, with a one-line reason,
+    if the manifest is not what `course new` wrote."""
+    path = folder / MANIFEST
+    try:
+        ids = json.loads(path.read_text())["exercises"]
+    except (OSError, UnicodeDecodeError) as error:
+        raise BadManifest(f"cannot read {path}: {error}") from None
+    except (ValueError, TypeError, KeyError):
+        raise BadManifest(f"{path} is not a course manifest (truncated or edited?): "
+                          "make a new workspace with python -m minipar course new DIR") from None
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise BadManifest(f"{path}: 'exercises' is not a list of exercise ids")
+    if not ids:
+        raise BadManifest(f"{path} names no exercises: nothing to grade")
+    return ids
 
 
 def files_of(exercise_id: str, root: Path = ROOT) -> list[str]:

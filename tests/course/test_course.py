@@ -122,11 +122,12 @@ def test_the_checks_run_the_workspace_code_and_the_guard_refuses_another(tmp_pat
     assert json.loads((tmp_path / "ws" / workspace.MANIFEST).read_text())["exercises"] == ["09.1"]
     assert not (tmp_path / "ws/.git").exists() and (tmp_path / "ws/tests/conftest.py").is_file()
     check = BY_ID["09.1"].checks[0]
-    outcome = grading.run_check(check, 1, tmp_path / "ws")
+    tree = grading.prepare([BY_ID["09.1"]], tmp_path / "ws", tmp_path / "grader")
+    outcome = grading.run_check(check, 1, tree)
     assert not outcome.passed and "NotImplementedError: exercise 09.1" in outcome.detail
-    (tmp_path / "other").mkdir()  # a folder with no minipar: the import finds the reference, refused
+    (tmp_path / "other").mkdir()  # a tree with no minipar: the import finds the reference, refused
     refused = grading.run_check(check, 1, tmp_path / "other")
-    assert not refused.passed and "not the workspace" in refused.detail
+    assert not refused.passed and "not the graded tree" in refused.detail
 
 
 def test_a_lesson_excerpt_that_shows_a_stubbed_region_loses_its_body_and_no_other(tmp_path):

@@ -151,6 +151,84 @@ def test_fp32_wire_halves_the_bytes_and_every_rank_agrees(rings, which, numel, s
     assert traffic(on_wire)[0] * 2 == traffic(plain)[0]
 
 
+class Wiretap:
+    """The test's own wrapper around an mpi4py communicator: every method call is counted, the bytes of
+    each point-to-point send are measured from its buffer, and object methods (lower-case: pickled
+    Python objects) and MPI's own collectives are flagged. What crossed the communicator, whatever the
+    code under test writes in its counters."""
+
+    POINT_TO_POINT = {"Send", "Isend", "Ssend", "Issend", "Sendrecv", "Bsend", "Rsend"}
+    LOCAL = {"Get_rank", "Get_size", "Get_group", "Get_name", "Irecv", "Recv", "Sendrecv_replace"}
+
+    def __init__(self, mpi):
+        self.mpi = mpi
+        self.calls: dict[str, int] = {}
+        self.bytes_sent = 0
+        self.messages = 0
+        self.flagged: list[str] = []
+
+    def __getattr__(self, name):
+        real = getattr(self.mpi, name)
+        if not callable(real):
+            return real
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if name in self.POINT_TO_POINT:
+                buffer = args[0] if args else kwargs.get("buf", kwargs.get("sendbuf"))
+                buffer = buffer[0] if isinstance(buffer, (list, tuple)) else buffer
+                self.bytes_sent += numpy.asarray(buffer).nbytes
+                self.messages += 1
+            elif name[:1].islower():
+                self.flagged.append(f"{name} (an object method: pickled Python objects)")
+            elif name not in self.LOCAL:
+                self.flagged.append(f"{name} (MPI's own collective, not the ring)")
+            return real(*args, **kwargs)
+
+        return counted
+
+
+@mpi_given(examples=UNEVEN_RINGS, which=st.sampled_from(["world", "group"]), numel=st.integers(0, 50),
+           dtype=st.sampled_from(["float64"]), seed=st.integers(0, 2**32 - 1))
+def test_ring_reduce_scatter_traffic_is_what_crossed_the_communicator(rings, which, numel, dtype, seed):
+    """Bytes and messages counted by a wiretap on the communicator, not by the ring's own counters; the
+    chunks travel through the Wire (here fp32: half the bytes, each partial sum rounded on the way)."""
+    ring = rings[which]
+    inputs = [rank_data(seed, r, numel, dtype) for r in range(ring.size)]
+    tap = Wiretap(ring.mpi)
+    counted = Comm(tap, name=ring.name, ledger=TrafficLedger())
+    shard = ring_reduce_scatter(counted, inputs[ring.rank], wire=TO_FP32)
+    own = slice(*shard_bounds(numel, ring.size, ring.rank))
+    assert tap.flagged == [], f"the ring used {tap.flagged}"
+    wire_bytes = [count * 4 for count in shard_sizes(numel, ring.size)]  # fp32 on the wire
+    expected = (ring_bytes_sent("reduce_scatter", wire_bytes, ring.rank), ring.size - 1)
+    assert (tap.bytes_sent, tap.messages) == expected, \
+        f"crossed the communicator: {tap.bytes_sent} bytes in {tap.messages} messages; a ring: {expected}"
+    assert traffic(counted) == expected, f"the ledger says {traffic(counted)}, the wiretap saw {expected}"
+    assert numpy.array_equal(shard, ring_order_reduce(inputs, TO_FP32)[own]), \
+        "not the ring's sums with each partial sum passed through wire.encode and wire.decode"
+
+
+@mpi_given(which=st.sampled_from(["world", "group"]), numel=st.integers(0, 40),
+           seed=st.integers(0, 2**32 - 1))
+def test_ring_all_gather_traffic_is_what_crossed_the_communicator(rings, which, numel, seed):
+    """The all-gather's bytes counted by the wiretap, through the fp32 Wire (uneven shards included)."""
+    ring = rings[which]
+    counts = shard_sizes(numel, ring.size)
+    shards = [rank_data(seed, r, counts[r], "float64") for r in range(ring.size)]
+    tap = Wiretap(ring.mpi)
+    counted = Comm(tap, name=ring.name, ledger=TrafficLedger())
+    gathered = ring_all_gather(counted, shards[ring.rank], numel=numel, wire=TO_FP32)
+    assert tap.flagged == [], f"the ring used {tap.flagged}"
+    expected = (ring_bytes_sent("all_gather", [c * 4 for c in counts], ring.rank), ring.size - 1)
+    assert (tap.bytes_sent, tap.messages) == expected, \
+        f"crossed the communicator: {tap.bytes_sent} bytes in {tap.messages} messages; a ring: {expected}"
+    assert traffic(counted) == expected, f"the ledger says {traffic(counted)}, the wiretap saw {expected}"
+    rounded = [TO_FP32.decode(TO_FP32.encode(shard)) for shard in shards]
+    assert numpy.array_equal(gathered, numpy.concatenate(rounded)), \
+        "every shard, this rank's own too, must pass through wire.encode and wire.decode"
+
+
 def test_a_ring_of_one_returns_its_input_and_sends_nothing():
     ring = Comm(MPI.COMM_SELF, name="solo")
     x = numpy.arange(6, dtype="int64").reshape(2, 3)

@@ -116,6 +116,22 @@ def test_single_rank_grid_and_its_errors():
         ProcessGrid(Comm(MPI.COMM_SELF), dp=1, pp=1, tp=0)
 
 
+def test_coordinates_of_every_rank_for_every_four_way_layout():
+    """The grid's numbering written out by enumeration, cp included (no world size is needed to test
+    it): ranks in the order of itertools.product over (dp, pp, cp, tp), tp fastest; coords_of gives
+    (dp, pp, tp, cp) and rank_of is its inverse."""
+    import itertools
+
+    for dp, pp, cp, tp in itertools.product((1, 2, 3), repeat=4):
+        grid = object.__new__(ProcessGrid)  # the numbering alone: no communicators
+        grid.dp_size, grid.pp_size, grid.cp_size, grid.tp_size = dp, pp, cp, tp
+        ranks = itertools.product(range(dp), range(pp), range(cp), range(tp))
+        for rank, (d, p, c, t) in enumerate(ranks):
+            layout = f"dp={dp} pp={pp} cp={cp} tp={tp}, rank {rank}"
+            assert grid.coords_of(rank) == (d, p, t, c), f"coords_of: {layout}"
+            assert grid.rank_of(d, p, t, c) == rank, f"rank_of: {layout}"
+
+
 def test_numpy_backend_round_trip():
     be = backend.set_backend("numpy")
     assert be is backend.current() and be.xp is numpy

@@ -89,7 +89,34 @@ def test_the_online_softmax_over_blocks_is_the_softmax_of_the_whole_row(blocks, 
     out, lse = acc.result()
     whole = np.concatenate(scores, axis=-1)
     np.testing.assert_allclose(out, softmax_rows(whole) @ np.concatenate(values, axis=-2), rtol=1e-12)
-    np.testing.assert_allclose(lse[..., 0], np.log(np.exp(whole).sum(axis=-1)), rtol=1e-12)
+    np.testing.assert_allclose(lse[..., 0], stable_log_sum_exp(whole), rtol=1e-12)
+
+
+def stable_log_sum_exp(s):
+    """m + log(sum(exp(s - m))): the reference that stays finite for any finite scores."""
+    m = s.max(axis=-1)
+    return m + np.log(np.exp(s - m[..., None]).sum(axis=-1))
+
+
+@pytest.mark.parametrize("offsets", [(800.0, 800.0, 800.0), (400.0, -400.0), (-400.0, 400.0),
+                                     (400.0, -400.0, 400.0), (-800.0, -790.0)],
+                         ids=["around_800", "plus_400_then_minus_400", "minus_400_then_plus_400",
+                              "400_-400_400", "around_-800"])
+def test_the_online_softmax_stays_finite_and_exact_for_large_scores(offsets):
+    """The lesson's numerical edge: scores near 800 overflow exp() without the running maximum (NaN);
+    a block of +400 then one of -400 overflows if each block is shifted by its own maximum (inf)."""
+    rng = np.random.default_rng(13)
+    q = rng.standard_normal((2, 3, 4))
+    scores = [rng.standard_normal((2, 3, 5)) + offset for offset in offsets]
+    values = [rng.standard_normal((2, 5, 4)) for _ in offsets]
+    acc = OnlineSoftmax(q)
+    for s, v in zip(scores, values):
+        acc.add(s, v)
+    out, lse = acc.result()
+    whole = np.concatenate(scores, axis=-1)
+    assert np.isfinite(out).all() and np.isfinite(lse).all(), "the output or the log-sum-exp overflowed"
+    np.testing.assert_allclose(out, softmax_rows(whole) @ np.concatenate(values, axis=-2), rtol=1e-10)
+    np.testing.assert_allclose(lse[..., 0], stable_log_sum_exp(whole), rtol=1e-12)
 
 
 @given(heads=st.sampled_from([1, 2]), chunk=st.integers(1, 3), seed=st.integers(0, 2**16))

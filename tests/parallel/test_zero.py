@@ -172,6 +172,55 @@ def test_stages_2_and_3_hold_one_units_full_gradients_at_a_time(comm, stage):
     assert buffer_meter.current == 0  # and all of it released by the end of the step
 
 
+@mpi_test
+def test_stage3_gathered_buffers_are_dead_after_release_and_the_meter_saw_each(comm, monkeypatch):
+    """Memory from the live buffers, not from what the code reports: every buffer all_gather returns to
+    ZeRO-3 is watched by a weak reference, which must be dead after the step (a unit's release dropped
+    the last reference; a list that keeps them is a leak the meter cannot see); and buffer_meter must
+    grow by the buffer's bytes when a unit is gathered and shrink by them when it is released."""
+    import gc
+    import weakref
+
+    from minipar.distributed.communicator import Comm
+
+    n = comm.size
+    watched, wrong = [], []
+    real_gather = Comm.all_gather
+    real_gather_params, real_release_params = ZeroStage3.gather_params, ZeroStage3.release_params
+
+    def watched_gather(self, shard, numel=None):
+        flat = real_gather(self, shard, numel)
+        watched.append(weakref.ref(flat))
+        return flat
+
+    def metered(real, sign):
+        def call(self, unit):
+            was_whole, before = unit.flat is not None, buffer_meter.current
+            real(self, unit)
+            is_whole = unit.flat is not None
+            if was_whole != is_whole:
+                nbytes = unit.flat.nbytes if is_whole else unit.padded * unit.dtype.itemsize
+                if buffer_meter.current - before != sign * nbytes:
+                    wrong.append(f"{real.__name__}: buffer_meter moved by {buffer_meter.current - before}, "
+                                 f"the buffer has {sign * nbytes}")
+        return call
+
+    monkeypatch.setattr(Comm, "all_gather", watched_gather)
+    monkeypatch.setattr(ZeroStage3, "gather_params", metered(real_gather_params, +1))
+    monkeypatch.setattr(ZeroStage3, "release_params", metered(real_release_params, -1))
+    cfg = tiny(dp=n, zero=3, batch_size=2 * n, steps=2, no_overlap=True)  # no prefetch: every gather here
+    trainer = train.Trainer(cfg, comm.mpi)
+    trainer.run()
+    gc.collect()
+    units = len(unit_sizes(cfg))
+    alive = sum(ref() is not None for ref in watched)
+    gathers = len(watched)
+    assert gathers >= 2 * units * cfg.steps, f"{gathers} all-gathers for {units} units in {cfg.steps} steps"
+    assert alive == 0, f"{alive} gathered buffer(s) still alive after the step: released, but referred to"
+    assert wrong == [], wrong[:3]
+    assert buffer_meter.current == 0, f"buffer_meter holds {buffer_meter.current} bytes after the step"
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("layout", [{"pp": 2, "microbatches": 2}, {"tp": 2, "n_head": 2, "d_model": 10}])
 @needs_world_size(4, 8)
