@@ -38,7 +38,7 @@ def zero3_prefetch_plan(sizes: list[int], budget_bytes: int):
 
 
 def summa_matmul(a_block, b_block, rows, columns):
-    """E3 (lesson 05): a 2D tensor-parallel matmul C = A @ B on a q x q grid of ranks (SUMMA).
+    """E3 (lesson 05b): a 2D tensor-parallel matmul C = A @ B on a q x q grid of ranks (SUMMA).
 
     Rank (i, j) holds block (i, j) of A and of B (n/q x n/q each); `rows` is the communicator of the
     ranks (i, 0..q-1), ranked by j, `columns` that of (0..q-1, j), ranked by i. Return block (i, j) of C:
