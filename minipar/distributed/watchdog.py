@@ -72,7 +72,6 @@ class Watchdog:
         self.rank = 0
         self.thread: threading.Thread | None = None
         self.interrupts: int | None = None  # the pipe the C-level signal handler writes to
-        self.lost_interrupt = False  # Ctrl-C raised inside a finalizer, where Python drops it
         # where the line goes too, before the process ends: a test harness whose pytest captures
         # stderr (into a file os._exit never shows) gives the terminal, and says which test it was
         self.reporters: list = []
@@ -106,18 +105,16 @@ class Watchdog:
 
     def interrupted(self) -> None:
         time.sleep(INTERRUPT_GRACE_S)
-        # still blocked in MPI, where KeyboardInterrupt cannot reach it; or the KeyboardInterrupt went
-        # off inside a finalizer (a graph's Context.__del__), which drops it and computes on
-        if self.current is not None or self.lost_interrupt:
+        if self.current is not None:  # still blocked in MPI: KeyboardInterrupt cannot reach it
             end(f"minipar train: interrupted (rank {self.rank})\n", 130)
 
     def unraisable(self, unraisable) -> None:
-        """sys.unraisablehook while interrupts are caught: a Ctrl-C that lands in a finalizer is not
-        printed as "Exception ignored ... Traceback" but noted, and the watch ends the rank with the one
-        line; any other unraisable exception goes to Python's own hook."""
+        """sys.unraisablehook while interrupts are caught. A Ctrl-C whose KeyboardInterrupt goes off in a
+        finalizer (a graph's Context.__del__) is dropped there by Python, which prints "Exception
+        ignored ... Traceback" and computes on: the rank ends here instead, in the main thread, with the
+        one line. Any other unraisable exception goes to Python's own hook."""
         if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-            self.lost_interrupt = True
-            return
+            end(f"minipar train: interrupted (rank {self.rank})\n", 130)
         sys.__unraisablehook__(unraisable)
 
     def catch_interrupts(self) -> None:
