@@ -57,6 +57,7 @@ def test_ctrl_c_dropped_by_a_finalizer_still_ends_the_rank_with_the_one_line():
     dropped, and the rank computed on. The unraisable hook ends it in one line, exit 130, no traceback."""
     body = """
         import os, signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's; a background job ignores it
         watchdog.WATCHDOG.start(rank=3)
         watchdog.WATCHDOG.catch_interrupts()
 
