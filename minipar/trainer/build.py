@@ -140,9 +140,10 @@ def synchronising_updater(cfg, grid, model):
                                               working=mixed_precision.parameter_wire(cfg.precision))
         return experts.ExpertParallelUpdater(model, optimizer_of(model.parameters()), grid.dp, groups)
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
-        if cfg.zero == 3:  # prefetching the next unit's parameters unless --no-overlap; in bf16 or fp16
-            return ZeroStage3(model, optimizer_of([]), grid.dp_cp, prefetch=not cfg.no_overlap,  # the
-                              working=mixed_precision.parameter_wire(cfg.precision))  # 16-bit copy
+        if cfg.zero == 3:  # prefetching the next unit's parameters unless --no-overlap
+            working = mixed_precision.parameter_wire(cfg.precision)  # bf16, fp16: gather the 16-bit copy
+            return ZeroStage3(model, optimizer_of([]), grid.dp_cp, prefetch=not cfg.no_overlap,
+                              working=working)
         stage = {1: ZeroStage1, 2: ZeroStage2}[cfg.zero]
         return stage(model, optimizer_of([]), grid.dp_cp)
     if cfg.zero == 0 and grid.dp_cp.size > 1:
