@@ -395,17 +395,23 @@ def config_errors(options: ChunkedOptions) -> list[str]:
     return errors
 
 
+def working_itemsize(working: Wire | None) -> int | None:
+    """Bytes a value of the gathered working copy: 2 when it travels on precision/mixed.py's 16-bit
+    `parameter_wire` (bf16, fp16), None (the parameters' own) without one."""
+    return None if working is None else 2
+
+
 def size_errors(options: ChunkedOptions, parts: int, model, optimizer,
-                working_itemsize: int | None = None) -> list[str]:
+                working: Wire | None = None) -> list[str]:
     """--chunk-mb and --device-mem-mb against the real sizes, sharded over `parts` ranks: `model` is the
     whole model (one rank's, before sharding) and `optimizer` the one it trains with, whose state rows
-    count; `working_itemsize`: 2 when a 16-bit working copy is gathered (bf16, fp16)."""
+    count; `working`: the 16-bit working copy's wire in bf16 and fp16 (as build_chunked_zero3's)."""
     chunk_numel, largest = chunk_numel_for(options, model, parts), max(tensor_sizes(model))
     if chunk_numel < largest:
         return [f"--chunk-mb {options.chunk_mb} holds {chunk_numel} elements, fewer than the largest "
                 f"parameter's {largest}: a tensor never straddles two chunks"]
     needed = device_bytes_needed(model, chunk_numel, parts, state_rows(optimizer), options.offload,
-                                 working_itemsize)
+                                 working_itemsize(working))
     budget = options.device_mem_mb
     if isinstance(budget, float | int) and budget * MiB < needed:  # None and auto: no figure to check
         return [f"--device-mem-mb {options.device_mem_mb} is too small: chunked ZeRO-3 with --offload "
@@ -427,7 +433,7 @@ def build_chunked_zero3(options: ChunkedOptions, grid, model, optimizer,
     budget = options.device_mem_mb if options.device_mem_mb in (None, AUTO) else options.device_mem_mb * MiB
     chunk_numel = chunk_numel_for(options, model, grid.dp_cp.size)
     least = device_bytes_needed(model, chunk_numel, grid.dp_cp.size, state_rows(optimizer), options.offload,
-                                None if working is None else 2)
+                                working_itemsize(working))
     return ChunkedZero3(model, optimizer, grid.dp_cp, chunk_numel, budget, options.offload, options.eviction,
                         traced=not options.static_placement, least_bytes=least,
                         disk_folder=options.offload_dir, working=working)

@@ -206,8 +206,8 @@ def _chunked(cfg: TrainConfig) -> list[str]:
     replicas = cfg.replace(dp=cfg.dp * cfg.cp, cp=1)  # with --cp it shards over dp x cp (grid.dp_cp)
     # the whole model one rank would gather, built as a plain single-process run builds it (no grid)
     model = build_model(replicas.replace(zero=0, offload="none", chunk_mb=None, device_mem_mb=None), None)
-    working_itemsize = 2 if cfg.precision in mixed.LOW_PRECISIONS else None  # the 16-bit working copy
-    return (zero_chunked.size_errors(cfg, replicas.dp, model, build_optimizer(cfg, []), working_itemsize)
+    working = mixed.parameter_wire(cfg.precision)  # bf16, fp16: the gathered 16-bit working copy
+    return (zero_chunked.size_errors(cfg, replicas.dp, model, build_optimizer(cfg, []), working)
             or _disk_space(cfg, model))
 
 
