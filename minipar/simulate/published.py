@@ -14,8 +14,8 @@ Sources, each checked here against the text named:
   at the parent of commit f2e5db402c of github.com/NVIDIA/Megatron-LM), "measured using a data
   parallel size of one"; shapes and layouts from the paper's Table 3 (not rechecked here): A100-80GB
   (Selene), sequence 2048, vocabulary 51200, selective recomputation with sequence parallelism,
-  micro-batch 4 for 22B and 1 for the others. The paper interleaves the 175B pipeline without a
-  published chunk count: 1F1B for all four here (rule: the schedule a paper does not size is 1F1B).
+  micro-batch 4 for 22B and 1 for the others. Lesson 14 reads Table 3 as interleaving the 175B
+  pipeline, with no chunk count given: 1F1B for all four here (rule: a schedule not sized is 1F1B).
   MFU = 72·B·s·L·h²(1 + s/6h + V/12Lh) / (time x GPUs x 312 TFLOP/s).
 - Megatron-Core on H100 (the Megatron-LM README since commit f2e5db402c, July 2024: images/
   model_table.png, its nine rows; the text beside it): vocabulary 131072, sequence 4096, data-,

@@ -17,7 +17,10 @@ forward; "tp", each half all-reduce (all-gather or reduce-scatter) under the GEM
 drains; "pp", the sends under the next micro-batch's compute. Each hides up to its window's seconds;
 the rest stays exposed (`exposed_comm_s`). The optimizer step is free.
 The pipeline: parallel/schedules.py's simulate() with a forward of 1 and a backward of B/F time
-units (B/F rounded to eighths), its makespan scaled by the forward's seconds.
+units (B/F rounded to eighths), its makespan scaled by the forward's seconds (1F1B in its closed
+form, (M + K - 1)(1 + B/F), the same number). Uneven stages (`Layout.stage_layers`, as BLOOM
+partitions): the heaviest stage's timeline. A fused attention (`Layout.flash_attention`): no s x s
+pass through HBM, no s x s array kept (kernels.flash_attention_saving).
 On a CPU (`Machine.cores`), R ranks on C < R cores compute at C/R of their speed each.
 Memory: model states by the ZeRO planner's rule (memory/planner.py), activations by
 memory/activations.py (one micro-batch's peak with pp = 1, exactly what the ledger measures; with pp >
