@@ -31,6 +31,7 @@ import numpy as np
 
 from minipar.core import backend
 from minipar.core.autograd import Tensor
+from minipar.core.hooks import HookList, RemovableHandle
 from minipar.core.nn import ModelOptions, Module
 from minipar.core.options import option
 from minipar.parallel.api import Runner, count_correct, split_scored
@@ -181,6 +182,12 @@ class PipelineRunner(Runner):
         self.action_times: list[list] = []  # this step's [label, start, stop], seconds from step_started
         self.step_started = 0.0
         self.last_timing: dict = {}
+        self.action_hooks = HookList()
+
+    def register_action_hook(self, hook) -> RemovableHandle:
+        """Call `hook(label, started, stopped)` after each action's computation (perf_counter seconds):
+        what `timing()`'s Gantt chart records, as it happens (a trace, trainer/trace.py)."""
+        return self.action_hooks.add(hook)
 
     def timing(self) -> dict | None:
         """The last step's busy and idle time of every stage and the bubble (None before a step)."""
@@ -326,6 +333,7 @@ class PipelineRunner(Runner):
         stopped = time.perf_counter()
         self.compute_s[action.op] += stopped - started
         self.action_times.append([str(action), started - self.step_started, stopped - self.step_started])
+        self.action_hooks.call_all(str(action), started, stopped)
 
     def record_timing(self, wall_s: float):
         """Gather every stage's compute time; bubble = idle share of stages x makespan (uncharged control).
