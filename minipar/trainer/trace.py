@@ -22,7 +22,7 @@ reads the figures back (trainer/trace_summary.py).
 
 What it saves: nothing; it shows where a step's time goes. What it costs: a list append per event
 while on (every saved activation moves the memory counter); when off, nothing is subscribed and each
-charge or memory change tests an empty list. Lesson: lessons/07b_traces.md.
+charge or memory change tests an empty list. Lesson: lessons/07_3d.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ dur >= 0 and nest on their track, never overlapping in part; counters are "C" ev
 async "b"/"e" pairs close; every process and track is named by an "M" event), and `summary` adds up
 per rank the time of each phase, the bytes sent by communicator dimension (and intra/inter-node), the
 pipeline's actions, the peak of each memory counter and the offload bytes by direction: the figures
-the run's own log reports (lessons/07b_traces.md checks that they agree).
+the run's own log reports (lessons/07_3d.md checks that they agree).
 """
 
 from __future__ import annotations
@@ -150,12 +150,11 @@ def _plain(rank: dict) -> dict:
             "memory_peak": rank["memory_peak"], "offload_bytes": dict(rank["offload_bytes"])}
 
 
-def summary_text(name: str, trace: dict, figures: dict) -> str:
+def summary_text(name: str, figures: dict) -> str:
     """The summary as lines: counts and bytes first (the same on any machine), the seconds last."""
     layout = figures["otherData"].get("layout", {})
     lines = [f"{name}: {figures['world_size']} ranks ("
-             + ", ".join(f"{dim} {size}" for dim, size in layout.items()) + f"), "
-             f"{len(trace['traceEvents'])} events, format valid"]
+             + ", ".join(f"{dim} {size}" for dim, size in layout.items()) + "), the format's rules kept"]
     for pid, rank in figures["ranks"].items():
         actions = " ".join(f"{op} {n}" for op, n in sorted(rank["actions"].items())) or "none"
         sent = ", ".join(f"{dim} {n:,} B (intra {rank['bytes_by_dim_link'][dim]['intra']:,}, inter "
@@ -219,5 +218,5 @@ def trace_main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(figures, indent=1, sort_keys=True))
     else:
-        print(summary_text(args.file, trace, figures))
+        print(summary_text(args.file, figures))
     return 0
