@@ -46,6 +46,13 @@ MUTANTS = [
            'if cat == "comm" and "bytes" in args:',
            'if event["ph"] == "X" and cat == "comm" and "bytes" in args:',
            tests=(TRACE_TESTS,), ranks=(2,)),
+    Mutant("trace-summary-bubble-counts-every-steps-actions", "minipar/trainer/trace_summary.py",
+           'if span["ts"] <= a["ts"] <= span["ts"] + span["dur"])', 'if span["ts"] <= a["ts"])',
+           tests=(TRACE_TESTS,), ranks=(2,)),
+    Mutant("trace-offload-move-direction-reversed", "minipar/memory/offload.py",
+           "move_meter.moved(block.category, block.tier, tier,",
+           "move_meter.moved(block.category, tier, block.tier,",
+           tests=(TRACE_TESTS,)),
     Mutant("trace-nesting-check-longer-span-second", "minipar/trainer/trace_summary.py",
            "key=lambda s: (s[0], -s[1])", "key=lambda s: (s[0], s[1])", tests=(TRACE_TESTS,)),
     # ---- issue 41: the bugs the third round's new tests were written to catch ----

@@ -73,7 +73,7 @@ class Runner(Protocol):
 
     def register_action_hook(self, hook) -> RemovableHandle:
         """Call `hook(label, started, stopped)` after each of a step's scheduled actions (a pipeline's F,
-        B and W); a runner without a schedule has none and never calls it."""
+        B and W, and its whole schedule as "schedule"); a runner without a schedule never calls it."""
         return HookList().add(hook)
 
 

@@ -142,6 +142,9 @@ def bubble_formula(stages: int, microbatches: int, virtual_stages: int = 1, spli
     return Fraction(stages - 1, virtual_stages * microbatches + stages - 1)
 
 
+SCHEDULE = "schedule"  # the action hooks' label of a stage's whole schedule in one step
+
+
 class PipelineRunner(Runner):
     """Runs this stage's actions of a schedule over the micro-batches of one batch.
 
@@ -186,7 +189,9 @@ class PipelineRunner(Runner):
 
     def register_action_hook(self, hook) -> RemovableHandle:
         """Call `hook(label, started, stopped)` after each action's computation (perf_counter seconds):
-        what `timing()`'s Gantt chart records, as it happens (a trace, trainer/trace.py)."""
+        what `timing()`'s Gantt chart records, as it happens (a trace, trainer/trace.py); and once a
+        step `hook(SCHEDULE, started, stopped)`: this stage's whole schedule, from the barrier's exit to
+        its last send's completion, the span `timing()`'s makespan and bubble are measured over."""
         return self.action_hooks.add(hook)
 
     def timing(self) -> dict | None:
@@ -233,7 +238,9 @@ class PipelineRunner(Runner):
                 self.weight_gradients(action)
         for request in self.pending_sends:
             self.comm.wait(request, "send")
-        self.record_timing(time.perf_counter() - started)
+        stopped = time.perf_counter()
+        self.action_hooks.call_all(SCHEDULE, started, stopped)
+        self.record_timing(stopped - started)
         return self.loss_sum
 
     def correct_count(self) -> int | None:

@@ -8,7 +8,8 @@ stream (tid), times in microseconds. Nothing is patched: the recorder listens th
 removable handles (the ledger's `subscribe`, the memory ledger's, the engine's phase hook, the
 runner's action hook, the offload move meter) and the trainer marks its steps and checkpoint saves.
 
-    tid 0  compute        step N > forward_backward > F/B/W actions; optimizer_step; checkpoint saves
+    tid 0  compute        step N > forward_backward > pipeline schedule > F/B/W actions;
+                          optimizer_step; checkpoint saves
     tid 1  communication  every watched wait ("X"), a blocking call's bytes, dimension, intra/inter split
     tid 2  non-blocking   DDP's and ZeRO-3's collectives in flight: async "b"/"e" pairs (they overlap)
     tid 3  offload        block moves between tiers, by direction
@@ -37,6 +38,7 @@ from pathlib import Path
 from minipar.core.options import option
 from minipar.distributed.watchdog import WATCHDOG, watching
 from minipar.memory.offload import move_meter
+from minipar.parallel.pipeline import SCHEDULE
 
 TRACE_FILE = "trace.json"
 MARKER = ".minipar-trace"  # in DIR: minipar wrote this folder's trace.json (never the user's own)
@@ -126,7 +128,10 @@ class Recorder:
 
     # ---- the other hooks ----
     def action(self, label: str, started: float, stopped: float) -> None:
-        self.span(COMPUTE, label, started, stopped, "action", {"op": label[0]})
+        if label == SCHEDULE:  # the stage's whole schedule: what the bubble is measured over
+            self.span(COMPUTE, "pipeline schedule", started, stopped, "schedule")
+        else:
+            self.span(COMPUTE, label, started, stopped, "action", {"op": label[0]})
 
     def phase(self, name: str, started: float, stopped: float) -> None:
         self.span(COMPUTE, name, started, stopped, "phase")
@@ -219,8 +224,10 @@ class Trace:
         self.recorder.instant(COMM, "watchdog: " + line.strip(), "watchdog")
         rank = self.world.world_ranks[self.world.rank]
         events = in_microseconds(self.recorder.events, rank, self.shift())
+        tids = {COMPUTE} | {e["tid"] for e in events}
+        named = metadata_events(rank, self.grid.coords_of(self.world.rank), tids)
         try:
-            write_atomically(self.directory / f"trace-rank-{rank}.json", {"traceEvents": events})
+            write_atomically(self.directory / f"trace-rank-{rank}.json", {"traceEvents": named + events})
         except OSError:
             pass  # the process is ending with the watchdog's line: that line is what matters
 
@@ -253,7 +260,7 @@ def write_trace(directory: Path, gathered: list, grid, steps: list[int]) -> None
     trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {
         "producer": "minipar train", "format": FORMAT, "world_size": len(gathered),
         "layout": {"dp": grid.dp.size, "pp": grid.pp.size, "tp": grid.tp.size, "cp": grid.cp.size},
-        "nodes": list(grid.nodes), "steps": steps,
+        "nodes": list(grid.nodes), "steps": steps, "coords": [list(coords) for _, _, coords in gathered],
         "clock": "per host the monotonic clock (perf_counter); ranks on another host than rank 0 shifted "
                  "by an offset measured against rank 0 at start, within the error bound",
         "clock_offset_us": [round(offset * 1e6, 3) for _, (offset, _), _ in gathered],

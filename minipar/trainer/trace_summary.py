@@ -6,8 +6,8 @@ checks the format's rules (every event has ph, ts, pid, tid; integer pid and tid
 dur >= 0 and nest on their track, never overlapping in part; counters are "C" events with numbers;
 async "b"/"e" pairs close; every process and track is named by an "M" event), and `summary` adds up
 per rank the time of each phase, the bytes sent by communicator dimension (and intra/inter-node), the
-pipeline's actions, the peak of each memory counter and the offload bytes by direction: the figures
-the run's own log reports (lessons/07_3d.md checks that they agree).
+pipeline's actions and its measured bubble, the peak of each memory counter and the offload bytes by
+direction: the figures the run's own log reports (tests/trainer/test_trace.py checks that they agree).
 """
 
 from __future__ import annotations
@@ -114,8 +114,41 @@ def summary(trace: dict) -> dict:
     for event in trace["traceEvents"]:
         if event["ph"] != "M":
             _add(ranks[event["pid"]], event)
-    return {"world_size": len(ranks), "otherData": trace.get("otherData", {}),
-            "ranks": {pid: _plain(ranks[pid]) for pid in sorted(ranks)}}
+    figures = {pid: _plain(ranks[pid]) for pid in sorted(ranks)}
+    for pid, bubbles in measured_bubbles(trace).items():
+        figures[pid]["bubble"] = bubbles
+    return {"world_size": len(ranks), "otherData": trace.get("otherData", {}), "ranks": figures}
+
+
+def measured_bubbles(trace: dict) -> dict[int, list[float]]:
+    """Each rank's pipeline bubble per step, from its pipeline's "pipeline schedule" spans and actions:
+    1 - (the stages' busy time) / (stages x makespan), the makespan from the first stage's start to the
+    last one's end (the ranks of one pipeline share (dp, tp, cp) in otherData's coords)."""
+    coords = trace.get("otherData", {}).get("coords")
+    if not coords:
+        return {}
+    schedules, actions = defaultdict(list), defaultdict(list)
+    for event in trace["traceEvents"]:
+        if event["ph"] == "X" and event.get("cat") in ("schedule", "action"):
+            (schedules if event["cat"] == "schedule" else actions)[event["pid"]].append(event)
+    pipelines = defaultdict(list)
+    for pid in sorted(schedules):
+        dp, _, tp, cp = coords[pid]
+        pipelines[dp, tp, cp].append(pid)
+    bubbles = {}
+    for stages in pipelines.values():
+        steps = zip(*(sorted(schedules[pid], key=lambda e: e["ts"]) for pid in stages))
+        per_step = [_bubble(spans, [actions[pid] for pid in stages]) for spans in steps]
+        bubbles.update({pid: per_step for pid in stages})
+    return bubbles
+
+
+def _bubble(spans: tuple, actions: list[list[dict]]) -> float:
+    """One step's bubble: `spans` each stage's schedule span, `actions` each stage's action spans."""
+    busy = sum(a["dur"] for span, mine in zip(spans, actions) for a in mine
+               if span["ts"] <= a["ts"] <= span["ts"] + span["dur"])
+    makespan = max(s["ts"] + s["dur"] for s in spans) - min(s["ts"] for s in spans)
+    return 1.0 - busy / (len(spans) * makespan) if makespan else 0.0
 
 
 def _add(rank: dict, event: dict) -> None:
@@ -166,12 +199,14 @@ def summary_text(name: str, figures: dict) -> str:
         if rank["offload_bytes"]:
             moved = sorted(rank["offload_bytes"].items())
             lines.append("  offload: " + ", ".join(f"{direction} {n:,} B" for direction, n in moved))
-    lines.append("seconds per rank (step, forward_backward, optimizer_step, F, B, W, comm_wait):")
+    lines.append("seconds per rank (step, forward_backward, optimizer_step, F, B, W, comm_wait), "
+                 "bubble per step:")
     for pid, rank in figures["ranks"].items():
         seconds = rank["seconds"]
         lines.append(f"rank {pid}: " + " ".join(
             f"{seconds.get(key, 0.0):.4f}" for key in ("step", "forward_backward", "optimizer_step",
-                                                       "F", "B", "W", "comm_wait")))
+                                                       "F", "B", "W", "comm_wait"))
+            + "".join(f"  {bubble:.3f}" for bubble in rank.get("bubble", [])))
     return "\n".join(lines)
 
 

@@ -1,5 +1,5 @@
 """--trace DIR and `minipar trace summary`: the trace is valid trace-event JSON, and the figures read
-back from it are the run's own (its log's pipeline timing, traffic ledger and memory ledger).
+back from it are the run's own (its log's pipeline timing and bubble, traffic ledger, memory ledger).
 
 The format checker is tested on traces written by hand (each rule broken once); the multi-rank tests
 (2 ranks) train in-process, read the trace as a viewer would (trace_summary.py knows nothing of how it
@@ -178,6 +178,13 @@ def test_pipeline_trace_is_valid_and_its_figures_are_the_logs(tmp_path):
         links = {dim: sum_of([{"comm": {"x": r["comm"]["by_dim_link"][dim]}} for r in records], "x")
                  for dim in mine["bytes_by_dim"]}
         assert mine["bytes_by_dim_link"] == links
+        # the measured bubble, step by step: 1 - busy / (K x makespan), with busy off by at most a
+        # microsecond per action (n of them) and the makespan by two, so by (n + 2K) us / (K x makespan)
+        n = sum(len(stage) for stage in schedule)
+        for bubble, record in zip(mine["bubble"], records, strict=True):
+            timing = record["pipeline"]
+            allowed = (n + 2 * 2) * US / (2 * timing["makespan_s"])
+            assert abs(bubble - timing["bubble_measured"]) <= allowed, (bubble, timing["bubble_measured"])
         # memory: the counters' peaks are the memory ledger's
         assert mine["memory_peak"]["activations"] == max(r["mem"]["activations_peak"] for r in records)
         assert mine["memory_peak"]["params"] == max(r["mem"]["params"] for r in records) > 0
@@ -225,17 +232,30 @@ def test_measured_clock_offset_between_two_hosts_is_within_its_bound():
 
 def test_without_trace_nothing_listens_and_a_trace_leaves_no_listener_behind(tmp_path):
     """Off, no per-event work: no listener on the traffic ledger, the memory ledger or the offload
-    moves, so a charge or a saved activation tests an empty list. On, every hook goes with the run."""
+    moves, so a charge or a saved activation tests an empty list. On, every hook goes with the run,
+    the offload moves in the trace are the log's, and a stalled rank writes its own trace."""
     cfg = TrainConfig(steps=1, batch_size=2, seq_len=8, quiet=True).resolved(1)
     off = train.Trainer(cfg, MPI.COMM_SELF)
     assert off.trace is None
     assert not off.world.ledger.listeners and not off.memory.listeners and not move_meter.listeners
     off.memory.close()
-    on = train.Trainer(cfg.replace(trace=str(tmp_path / "t")), MPI.COMM_SELF)
+    # on: chunked ZeRO-3 offloaded to the CPU under a 1 MiB budget, so that blocks move every step
+    on = train.Trainer(cfg.replace(trace=str(tmp_path / "t"), steps=2, zero=3, offload="cpu",
+                                   device_mem_mb=1.0), MPI.COMM_SELF)
     assert len(on.world.ledger.listeners) == len(on.memory.listeners) == len(move_meter.listeners) == 1
-    on.run()
+    on.trace.stalled("minipar: error: rank 0 waited 31 s in all_reduce ...\n")  # what the watchdog calls
+    alone = json.loads((tmp_path / "t" / "trace-rank-0.json").read_text())  # the rank's own, as it ends
+    assert format_problems(alone) == [] and alone["traceEvents"][-1]["name"].startswith("watchdog: ")
+    records = on.run()
     on.memory.close()
     assert not on.world.ledger.listeners and not on.memory.listeners and not move_meter.listeners
     assert on.trace.stalled not in watchdog.WATCHDOG.reporters
     trace = json.loads((tmp_path / "t" / TRACE_FILE).read_text())
-    assert format_problems(trace) == [] and summary(trace)["ranks"][0]["steps"] == 1
+    assert format_problems(trace) == []
+    mine = summary(trace)["ranks"][0]
+    moved: dict = {}  # the log's bytes between tiers, by direction, summed over the steps
+    for record in records:
+        for direction, nbytes in record["offload"]["by_direction"].items():
+            moved[direction] = moved.get(direction, 0) + nbytes
+    assert mine["steps"] == 2 and mine["offload_bytes"] == moved and moved["cpu->device"] > 0
+    assert mine["memory_peak"]["buffers"] == max(r["mem"]["buffers_peak"] for r in records)
