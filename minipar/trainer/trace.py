@@ -222,7 +222,7 @@ class Trace:
         """The watchdog is ending this rank (a collective stalled): no merge will happen, so the rank
         writes its own events so far, the stall last, to DIR/trace-rank-R.json (a trace on its own)."""
         self.recorder.instant(COMM, "watchdog: " + line.strip(), "watchdog")
-        rank = self.world.world_ranks[self.world.rank]
+        rank = self.world.rank  # pid = rank, as in the merged trace
         events = in_microseconds(self.recorder.events, rank, self.shift())
         tids = {COMPUTE} | {e["tid"] for e in events}
         named = metadata_events(rank, self.grid.coords_of(self.world.rank), tids)
