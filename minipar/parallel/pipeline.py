@@ -31,6 +31,7 @@ import numpy as np
 
 from minipar.core import backend
 from minipar.core.autograd import Tensor
+from minipar.core.hooks import HookList, RemovableHandle
 from minipar.core.nn import ModelOptions, Module
 from minipar.core.options import option
 from minipar.parallel.api import Runner, count_correct, split_scored
@@ -141,6 +142,9 @@ def bubble_formula(stages: int, microbatches: int, virtual_stages: int = 1, spli
     return Fraction(stages - 1, virtual_stages * microbatches + stages - 1)
 
 
+SCHEDULE = "schedule"  # the action hooks' label of a stage's whole schedule in one step
+
+
 class PipelineRunner(Runner):
     """Runs this stage's actions of a schedule over the micro-batches of one batch.
 
@@ -181,6 +185,14 @@ class PipelineRunner(Runner):
         self.action_times: list[list] = []  # this step's [label, start, stop], seconds from step_started
         self.step_started = 0.0
         self.last_timing: dict = {}
+        self.action_hooks = HookList()
+
+    def register_action_hook(self, hook) -> RemovableHandle:
+        """Call `hook(label, started, stopped)` after each action's computation (perf_counter seconds):
+        what `timing()`'s Gantt chart records, as it happens (a trace, trainer/trace.py); and once a
+        step `hook(SCHEDULE, started, stopped)`: this stage's whole schedule, from the barrier's exit to
+        its last send's completion, the span `timing()`'s makespan and bubble are measured over."""
+        return self.action_hooks.add(hook)
 
     def timing(self) -> dict | None:
         """The last step's busy and idle time of every stage and the bubble (None before a step)."""
@@ -226,7 +238,9 @@ class PipelineRunner(Runner):
                 self.weight_gradients(action)
         for request in self.pending_sends:
             self.comm.wait(request, "send")
-        self.record_timing(time.perf_counter() - started)
+        stopped = time.perf_counter()
+        self.action_hooks.call_all(SCHEDULE, started, stopped)
+        self.record_timing(stopped - started)
         return self.loss_sum
 
     def correct_count(self) -> int | None:
@@ -326,6 +340,7 @@ class PipelineRunner(Runner):
         stopped = time.perf_counter()
         self.compute_s[action.op] += stopped - started
         self.action_times.append([str(action), started - self.step_started, stopped - self.step_started])
+        self.action_hooks.call_all(str(action), started, stopped)
 
     def record_timing(self, wall_s: float):
         """Gather every stage's compute time; bubble = idle share of stages x makespan (uncharged control).
