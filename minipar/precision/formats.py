@@ -188,6 +188,8 @@ PRECISIONS = {
     "fp32": Precision("fp32", np.float32, np.float32, None, 4, False),
     "bf16": Precision("bf16", np.float32, np.float32, round_to_bf16, 2, False),
     "fp16": Precision("fp16", np.float32, np.float32, round_to_fp16, 2, True),
+    # fp8: only the Linear layers' products take FP8 operands (precision/fp8.py); the rest is fp32
+    "fp8": Precision("fp8", np.float32, np.float32, None, 4, False),
 }
 
 
