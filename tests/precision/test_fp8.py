@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from minipar.core import kernels
 from minipar.core.nn import GPT, GPTConfig
 from minipar.precision import fp8
 from minipar.precision.formats import E4M3
@@ -118,6 +119,32 @@ def test_every_linear_but_the_head_runs_in_fp8():
     layers = fp8.fp8_linears(model)
     assert len(layers) == 2 * 6  # query, key, value, proj; fc, proj
     assert all(layer is not model.head.lm_head for layer in layers)
+
+
+class RecordedProducts(fp8.FP8Products):
+    """The products a step runs, as (layer or None, role), in order."""
+
+    def __call__(self, a, b, role):
+        self.seen.append((self.layer, role))
+        return super().__call__(a, b, role)
+
+
+def test_a_step_runs_each_layers_three_products_in_fp8_and_the_head_as_it_is():
+    """Forward x W^T, backward g W and g^T x of every block's six Linear layers go through FP8 (the
+    hooks name the layer in forward and in backward); the head's three products do not."""
+    model = GPT(GPTConfig(n_layer=2, d_model=16, n_head=2, dtype="float64"), seed=0)
+    ids = np.random.default_rng(0).integers(0, 13, (2, 8))
+    products = RecordedProducts(model, TrainConfig(fp8_recipe="block", fp8_block=8))
+    products.seen = []
+    plain = model.loss(model(ids), ids, ids.size)
+    with kernels.install("linear", products):
+        loss = model.loss(model(ids), ids, ids.size)
+        loss.backward()
+    fp8_layers = {(layer, role) for layer, role in products.seen if layer is not None}
+    assert fp8_layers == {(i, role) for i in range(12) for role in ("forward", "input_grad", "weight_grad")}
+    assert len(products.seen) == 3 * 13  # each product once; the head's three with no layer named
+    assert sum(layer is None for layer, _ in products.seen) == 3
+    assert abs(float(loss.data) - float(plain.data)) > 1e-6  # FP8 changed the numbers
 
 
 @pytest.mark.parametrize("changes, message", [
