@@ -8,7 +8,8 @@ What it costs: precision (8 significant bits in bf16, 11 in fp16) and, in fp16, 
 gradients underflow to zero, which is why fp16 training multiplies the loss by a `DynamicLossScaler`.
 Lesson: lessons/09_precision.md.
 
-Conversion rules, the same as PyTorch's and ml_dtypes' for every non-NaN input: float64 input is
+Conversion rules, the same as PyTorch's for every non-NaN input (and ml_dtypes' for float32 input;
+ml_dtypes 0.7 rounds float64 once, 0.6 went through float32 as PyTorch does): float64 input is
 first rounded to float32; round to nearest, ties to even; overflow becomes infinity; subnormals are
 kept, never flushed; the sign of zero is kept. A NaN becomes the quiet NaN with the input's sign and
 an empty payload: bf16 0x7FC0 / 0xFFC0 (bit-for-bit ml_dtypes), fp16 0x7E00 / 0xFE00 (PyTorch's
