@@ -244,7 +244,7 @@ class FP8Options:
 
 
 def config_errors(options: FP8Options, precision: str, model: str, widths: list[int], tokens: int,
-                  tp: int) -> list[str]:
+                  tp: int, backend: str = "numpy") -> list[str]:
     """--precision fp8 trains the GPT; block's N divides every Linear's widths per tp rank (`widths`:
     d and 4d) and `tokens`, weight_grad's inner dimension: a micro-batch's tokens per rank, or with
     cp the zig-zag chunk, so that every tile holds the tokens it holds on one process."""
@@ -252,6 +252,8 @@ def config_errors(options: FP8Options, precision: str, model: str, widths: list[
         return []
     if model != "gpt":
         return [f"--precision fp8 trains --model gpt (its Linear layers), not --model {model}"]
+    if backend != "numpy":
+        return ["--precision fp8 emulates the FP8 formats in NumPy: use --backend numpy"]
     if options.fp8_recipe != "block":
         return []
     n = options.fp8_block

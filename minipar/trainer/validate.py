@@ -132,7 +132,8 @@ def _fp8(cfg: TrainConfig) -> list[str]:
     """fp8.config_errors with the shapes it needs: the Linear widths and weight_grad's tokens."""
     tokens = cfg.seq_len // (2 * cfg.cp) if cfg.cp > 1 else \
         cfg.batch_size // (cfg.dp * cfg.microbatches) * cfg.seq_len
-    return fp8.config_errors(cfg, cfg.precision, cfg.model, [cfg.d_model, 4 * cfg.d_model], tokens, cfg.tp)
+    return fp8.config_errors(cfg, cfg.precision, cfg.model, [cfg.d_model, 4 * cfg.d_model], tokens, cfg.tp,
+                             cfg.backend)
 
 
 def _combinations(cfg: TrainConfig) -> list[str]:

@@ -162,3 +162,8 @@ def test_fp8_refuses_what_it_does_not_build(changes, message):
     errors = validate(cfg, cfg.pp)
     assert len(errors) == 1 and errors[0].startswith(message), errors
     assert validate(TrainConfig(precision="fp8", fp8_recipe="block", fp8_block=32), 1) == []
+
+
+def test_fp8_runs_in_numpy_only():
+    errors = validate(TrainConfig(precision="fp8", backend="cupy"), 1)  # also: is CuPy here at all
+    assert "--precision fp8 emulates the FP8 formats in NumPy: use --backend numpy" in errors
