@@ -17,6 +17,8 @@ Forward operands are E4M3; gradients E5M2 for the per-tensor recipes (HYBRID), E
 Everything else stays in the run's dtype: the master weights and optimizer (fp32, as bf16's mixed
 precision keeps them), embeddings, the output head, LayerNorm, the attention core and the loss.
 With `--fp8-accumulate fp64` the products add in fp64: layouts then compare with one process to 1e-9.
+The amax history is not part of a checkpoint: a resumed delayed run starts a new history (scale 1 for
+its first step), as a run resumed in another precision does.
 
 What it saves: on hardware, a quarter of fp32's bytes per GEMM operand and twice bf16's matrix rate;
 here the values are FP8's in fp32 arrays, so only the arithmetic's result is FP8's, not its speed.
