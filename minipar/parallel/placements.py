@@ -248,7 +248,8 @@ class ShardedArray:
         made Replicate); Partial when each rank uses the result on its own data."""
         placements = tuple(placements)
         grads = gradient_placements(placements) if grad_placements is None else tuple(grad_placements)
-        local = Redistribute.apply(self.local, self.mesh, self.global_shape, self.placements, placements, grads)
+        local = Redistribute.apply(self.local, self.mesh, self.global_shape, self.placements, placements,
+                                   grads)
         return ShardedArray(local, self.global_shape, placements, self.mesh)
 
     def full(self):

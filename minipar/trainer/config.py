@@ -27,6 +27,7 @@ from minipar.parallel.clipping import ClippingOptions
 from minipar.parallel.context import ContextOptions
 from minipar.parallel.ddp import DataParallelOptions
 from minipar.parallel.experts import ExpertOptions
+from minipar.parallel.fsdp import FSDPOptions
 from minipar.parallel.pipeline import PipelineOptions
 from minipar.parallel.sequence import SequenceOptions
 from minipar.parallel.tensor import TensorOptions
@@ -68,7 +69,7 @@ class RunOptions:
 
 # The options objects TrainConfig is made of, in the order `minipar train --help` lists them.
 OPTION_GROUPS = (ModelOptions, MoEOptions, DataParallelOptions, TensorOptions, SequenceOptions,
-                 PipelineOptions, ContextOptions, ExpertOptions, ZeroOptions, ChunkedOptions,
+                 PipelineOptions, ContextOptions, ExpertOptions, ZeroOptions, FSDPOptions, ChunkedOptions,
                  RecomputeOptions, PrecisionOptions, FusionOptions, OptimizerOptions, ClippingOptions,
                  BackendOptions, RunOptions, TraceOptions)
 
@@ -77,7 +78,7 @@ OPTION_GROUPS = (ModelOptions, MoEOptions, DataParallelOptions, TensorOptions, S
 # first, so the fields come in OPTION_GROUPS' order.
 @dataclass
 class TrainConfig(TraceOptions, RunOptions, BackendOptions, ClippingOptions, OptimizerOptions, FusionOptions,
-                  PrecisionOptions, RecomputeOptions, ChunkedOptions, ZeroOptions, ExpertOptions,
+                  PrecisionOptions, RecomputeOptions, ChunkedOptions, FSDPOptions, ZeroOptions, ExpertOptions,
                   ContextOptions, PipelineOptions, SequenceOptions, TensorOptions, DataParallelOptions,
                   MoEOptions, ModelOptions):
     """Every option of `minipar train`: the techniques' options objects and the run's own."""

@@ -26,7 +26,8 @@ def mesh_of(comm) -> tuple[DeviceMesh, list[tuple[int, ...]]]:
     if comm.size == 2:
         return DeviceMesh({"x": comm.split(0, comm.rank, "x", reuse=("test",))}), [(0,), (1,)]
     a, b = divmod(comm.rank, 2)
-    mesh = DeviceMesh({"a": comm.split(b, a, "a", reuse=("test",)), "b": comm.split(a, b, "b", reuse=("test",))})
+    mesh = DeviceMesh({"a": comm.split(b, a, "a", reuse=("test",)),
+                       "b": comm.split(a, b, "b", reuse=("test",))})
     return mesh, [divmod(r, 2) for r in range(4)]
 
 
@@ -88,7 +89,8 @@ def expected_bytes(shape, now, to, coords, sizes, names) -> dict:
             charged[name] = (n - 1) * per[before.dim] * rest * 8
         elif isinstance(before, Partial) and isinstance(after, Replicate):
             base, extra = divmod(int(numpy.prod(local)), n)  # the ring's cut of the elements
-            charged[name] = ring_bytes_sent("all_reduce", [(base + (r < extra)) * 8 for r in range(n)], coords[i])
+            cut_bytes = [(base + (r < extra)) * 8 for r in range(n)]
+            charged[name] = ring_bytes_sent("all_reduce", cut_bytes, coords[i])
         elif isinstance(before, Partial) and isinstance(after, Shard):
             rest = int(numpy.prod([s for d, s in enumerate(local) if d != after.dim]))
             charged[name] = (n - 1) * per[after.dim] * rest * 8
