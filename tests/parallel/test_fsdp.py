@@ -39,6 +39,33 @@ def deviations(cfg, records, full) -> list[str]:
                     if not np.allclose(full[name], want, rtol=1e-9, atol=1e-12)]
 
 
+def test_a_ranks_shard_is_its_padded_dim_0_chunk_of_each_parameter_and_copy_out_inverts_copy_in():
+    """Rank r's segment of the copy-in buffer: rows [r·c, (r+1)·c) of each parameter in turn, c =
+    ceil(rows/N), zero rows past the end; copy-out gives the parameters back."""
+    from types import SimpleNamespace
+
+    from minipar.core.module import Module, Parameter
+    from minipar.parallel.fsdp import PerParameterUnit
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((5, 3)), rng.standard_normal(7)]
+    module = Module()
+    named = [(f"p{i}", Parameter(a.shape)) for i, a in enumerate(arrays)]
+    for parts in (1, 2, 3, 4):
+        unit = PerParameterUnit(module, named, SimpleNamespace(size=parts, rank=parts - 1))
+        flat = unit.flatten(arrays)
+        rows = [-(-5 // parts), -(-7 // parts)]
+        assert unit.shard_numel == rows[0] * 3 + rows[1] and flat.size == parts * unit.shard_numel
+        last = flat[unit.start : unit.stop]
+        weight = np.zeros((rows[0] * parts, 3))
+        weight[:5] = arrays[0]
+        bias = np.zeros(rows[1] * parts)
+        bias[:7] = arrays[1]
+        expected = np.concatenate([weight[-rows[0]:].reshape(-1), bias[-rows[1]:]])
+        assert np.array_equal(last, expected)
+        assert all(np.array_equal(a, b) for a, b in zip(unit.whole_params(flat), arrays))
+
+
 LAYOUTS = {2: [(2, 1, 1)], 4: [(4, 1, 1), (2, 2, 1), (2, 1, 2)]}  # (dp, tp, pp), dp > 1
 
 

@@ -16,9 +16,16 @@ from mpi_harness import mpi_given, needs_world_size
 
 from minipar.core.autograd import Tensor
 from minipar.distributed.ledger import ring_bytes_sent
-from minipar.parallel.placements import DeviceMesh, Partial, Replicate, Shard, ShardedArray
+from minipar.parallel.placements import DeviceMesh, Partial, Replicate, Shard, ShardedArray, chunk_bounds
 
 PLACEMENTS = [Shard(0), Shard(1), Replicate(), Partial()]
+
+
+def test_chunks_are_torch_chunks():
+    """torch.chunk(torch.arange(n), parts) by hand: ceil(n/parts) rows, the last ones short or empty."""
+    assert [chunk_bounds(5, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    assert [chunk_bounds(6, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 6)]
+    assert [chunk_bounds(1, 2, i) for i in range(2)] == [(0, 1), (1, 1)]
 
 
 def mesh_of(comm) -> tuple[DeviceMesh, list[tuple[int, ...]]]:
