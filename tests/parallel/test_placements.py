@@ -12,7 +12,7 @@ import itertools
 
 import hypothesis.strategies as st
 import numpy
-from mpi_harness import mpi_given, needs_world_size
+from mpi_harness import at_world_size, mpi_given, needs_world_size
 
 from minipar.core.autograd import Tensor
 from minipar.distributed.ledger import ring_bytes_sent
@@ -122,7 +122,12 @@ def grad_default(placements):
 
 
 @needs_world_size(2, 4)
-@mpi_given(max_examples=30, rows=st.integers(1, 6), cols=st.integers(1, 5), seed=st.integers(0, 2**31),
+@mpi_given(max_examples=6, examples=[  # FSDP's gather and gradient with padding; a Partial input; 2-D
+    at_world_size((2,), rows=5, cols=3, seed=1, picks=[Shard(0), Replicate(), Partial(), *[Replicate()] * 3]),
+    at_world_size((2,), rows=3, cols=5, seed=2, picks=[Partial(), Shard(1), Shard(1), *[Replicate()] * 3]),
+    at_world_size((4,), rows=5, cols=3, seed=3,
+                  picks=[Shard(0), Partial(), Replicate(), Shard(1), Partial(), Shard(1)])],
+           rows=st.integers(1, 6), cols=st.integers(1, 5), seed=st.integers(0, 2**31),
            picks=st.lists(st.sampled_from(PLACEMENTS), min_size=6, max_size=6))
 def test_redistribute_values_bytes_and_gradients(comm, rows, cols, seed, picks):
     mesh, all_coords = mesh_of(comm)
