@@ -28,8 +28,9 @@ Uneven shards are padded for the collectives to ceil(n/N) rows, as FSDP2 pads di
 goes over the wire and is charged on the ledger (the all-gather of a Shard(0) tensor of n rows costs
 (N-1)·ceil(n/N) rows per rank), and the local pieces themselves hold no padding. A tensor dim is
 sharded by at most one mesh dimension here (DTensor's strided shard, tp and FSDP on the same dim, is
-not built). What it saves or costs: nothing of its own; each collective is charged to its mesh
-dimension's communicator. Lesson: lessons/04b_placements.md.
+not built in redistribute). `tensor_parallel_mlp` writes Megatron's MLP (tensor.py) in placements.
+What it saves or costs: nothing of its own; each collective is charged to its mesh dimension's
+communicator. Lesson: lessons/04b_placements.md.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minipar.core import functional as F
 from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import xp_of
 from minipar.core.shards import padded_bounds, padded_numel
@@ -265,3 +267,19 @@ def distribute(full, mesh: DeviceMesh, placements, requires_grad: bool = False) 
     every = tuple(Replicate() for _ in placements)
     local = redistribute_local(np.asarray(full), mesh, tuple(full.shape), every, placements)
     return ShardedArray(Tensor(local, requires_grad), tuple(full.shape), placements, mesh)
+
+
+def tensor_parallel_mlp(x: Tensor, fc, proj, mesh: DeviceMesh) -> Tensor:
+    """Megatron's MLP (tensor.py's ParallelMLP) in placements, on a mesh with a "tp" dimension: the fc
+    weight is Shard(0) (column-parallel), the proj weight Shard(1) (row-parallel), and the input
+    Replicate. Megatron's f is a Replicate -> Replicate redistribute whose gradient arrives Partial
+    (each rank's hidden columns give a summand of it): all-reduce backward. Its g is Partial ->
+    Replicate: all-reduce forward, and a Replicate gradient that goes back for free."""
+    shape = tuple(x.shape)
+    whole = ShardedArray(x, shape, (Replicate(),), mesh)
+    copied = whole.redistribute((Replicate(),), grad_placements=(Partial(),))  # f
+    hidden = F.gelu(F.linear(copied.local, fc.weight, fc.bias))  # Shard(-1): this rank's columns
+    out_shape = shape[:-1] + (proj.weight.shape[0],)
+    partial = ShardedArray(F.linear(hidden, proj.weight), out_shape, (Partial(),), mesh)
+    summed = partial.redistribute((Replicate(),))  # g
+    return summed.local + proj.bias

@@ -190,3 +190,37 @@ def test_gathered_weight_gradient_reduce_scattered_and_replicate_gradient_free(c
     for charged, sent, got, expected in outcomes:
         assert charged == sent
         assert (got == expected).all()
+
+
+@needs_world_size(2)
+@mpi_given(max_examples=2, seed=st.integers(0, 2**16))
+def test_megatron_mlp_in_placements_is_tensor_py_step_for_step(comm, seed):
+    """tensor.py's ParallelMLP (f, column layer, GELU, row layer, g) against the same MLP written in
+    placements with its weights: the same output, gradients and tp bytes, bit for bit."""
+    from minipar.core.nn import GPTConfig
+    from minipar.parallel.placements import tensor_parallel_mlp
+    from minipar.parallel.tensor import ParallelMLP
+
+    tp = comm.split(0, comm.rank, "tp", reuse=("test",))
+    mlp = ParallelMLP(GPTConfig(d_model=6), tp)
+    rng = numpy.random.default_rng(seed)
+    for p in mlp.parameters():
+        p.data = rng.standard_normal(p.shape)  # the same draws on every rank, then each keeps its own
+    for p in mlp.parameters():
+        p.data = p.data + comm.rank * (p.shard is not None)  # shards differ between ranks
+    x_data, upstream = rng.standard_normal((3, 6)), rng.standard_normal((3, 6))
+    outcomes = []
+    mesh = DeviceMesh({"tp": tp})
+    for forward in (mlp.forward, lambda x: tensor_parallel_mlp(x, mlp.fc, mlp.proj, mesh)):
+        for p in mlp.parameters():
+            p.grad = None
+        x = Tensor(x_data.copy(), True)
+        comm.ledger.start_step()
+        y = forward(x)
+        y.backward(upstream)
+        outcomes.append((y.data, x.grad, [p.grad.copy() for p in mlp.parameters()],
+                         comm.ledger.step_report()["by_dim_op"]))
+    (y0, gx0, gp0, sent0), (y1, gx1, gp1, sent1) = outcomes
+    assert numpy.array_equal(y0, y1) and numpy.array_equal(gx0, gx1)
+    assert all(numpy.array_equal(a, b) for a, b in zip(gp0, gp1))
+    assert sent0 == sent1 == {"tp": {"all_reduce": 2 * (3 * 6 * 8)}}  # f and g: 2(N-1)/N·S each, N = 2
