@@ -20,7 +20,7 @@ from pathlib import Path
 
 from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend, moe, recompute
-from minipar.parallel import context, experts, pipeline, sequence, tensor, zero_chunked
+from minipar.parallel import context, experts, fsdp, pipeline, sequence, tensor, zero_chunked
 from minipar.precision import fp8, mixed
 from minipar.trainer import trace
 from minipar.trainer.build import build_model, build_optimizer, model_config
@@ -117,7 +117,8 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}")
     errors += (tensor.config_errors(cfg, cfg) + recompute.config_errors(cfg, cfg.model)
                + sequence.config_errors(cfg, cfg, cfg) + context.config_errors(cfg, cfg)
-               + pipeline.config_errors(cfg, cfg) + experts.config_errors(cfg, cfg, cfg, cfg))
+               + pipeline.config_errors(cfg, cfg) + experts.config_errors(cfg, cfg, cfg, cfg)
+               + fsdp.config_errors(cfg, cfg.dp * cfg.cp))
     if cfg.model == "moe":
         errors += moe.config_errors(cfg)
     if cfg.pp > cfg.n_units():
@@ -153,6 +154,14 @@ def _combinations(cfg: TrainConfig) -> list[str]:
         (cfg.schedule == "zb-h1" and cfg.pp > 1 and (cfg.zero == 3 or cfg.chunked),
          "--schedule zb-h1 runs with --zero 0, 1 or 2 and no offload or chunks: ZeRO-3 would have to "
          "gather the parameters again for each W step"),
+        (cfg.fsdp and cfg.zero > 0,
+         f"--fsdp with --zero {cfg.zero}: both shard the model states over dp; choose one"),
+        (cfg.fsdp and (cfg.chunked or cfg.ep > 1),
+         "--fsdp with chunked ZeRO-3 (--offload, --chunk-mb, --device-mem-mb) or --ep is not built"),
+        (cfg.fsdp and cfg.precision not in ("fp64", "fp32"),
+         f"--fsdp with --precision {cfg.precision} is not built: it runs in fp64 or fp32"),
+        (cfg.fsdp and cfg.schedule == "zb-h1" and cfg.pp > 1,
+         "--schedule zb-h1 with --fsdp: FSDP would have to gather the parameters again for each W step"),
         (cfg.schedule == "zb-h1" and cfg.pp > 1 and cfg.recompute == "full",
          "--schedule zb-h1 with --recompute full: a recomputed block's backward runs as one operation, "
          "so its weight gradients cannot wait for W; use --recompute selective or none"),
