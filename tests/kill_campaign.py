@@ -102,8 +102,10 @@ def kill_round(steps: int, folder: Path, log: Path, rank: int, delay: float) -> 
                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
     started = time.monotonic()
-    wait_for_first_step(log, job)
-    time.sleep(delay)
+    first = wait_for_first_step(log, job)
+    while time.monotonic() < first + delay and job.poll() is None:
+        time.sleep(0.01)
+    ended_s = time.monotonic() - first if job.poll() is not None else None  # before its kill time
     killed_at = time.monotonic() - started
     pid = rank_pids(job.pid).get(rank)
     if pid is not None:
@@ -114,7 +116,8 @@ def kill_round(steps: int, folder: Path, log: Path, rank: int, delay: float) -> 
         os.killpg(job.pid, signal.SIGKILL)
         _, err = job.communicate()
         return {"hung": True, "killed_at_s": killed_at}
-    return {"killed": pid is not None, "killed_at_s": round(killed_at, 2), "exit": job.returncode,
+    return {"killed": pid is not None, "killed_at_s": round(killed_at, 2), "ended_s": ended_s,
+            "exit": job.returncode,
             "logged_steps": len(losses(log)), "stderr_tail": err.strip().splitlines()[-1:]}
 
 
@@ -156,7 +159,8 @@ def main() -> int:
                                        "--save-every", "1", "--save-async")  # the kill window
         assert saving == whole, "saving changed the losses"
         print(f"uninterrupted, saving every step: {args.steps} steps, {training_s:.2f} s from the first "
-              "step to the end: each kill comes at a uniformly random time in that window", flush=True)
+              "step to the end: each kill comes at a uniformly random time in that window (a round that "
+              "ends before its kill time sets the window to its own length: the load changes)", flush=True)
         n = 0
         while n - missed < args.kills:  # a round that ended before its kill time is checked, not counted
             round_dir = work / f"round{n:03d}"
@@ -167,7 +171,9 @@ def main() -> int:
             ok = seen.get("exact") and not seen.get("hung") and \
                 seen.get("step", 0) <= seen.get("logged_steps", 0)
             failures += not ok
-            missed += not seen.get("killed")  # the job had already ended: checked all the same
+            if not seen.get("killed"):  # the job had already ended: checked all the same, not counted,
+                missed += 1  # and the window follows the machine's pace: that run's own length
+                training_s = seen.get("ended_s") or training_s
             print(json.dumps({"round": n, "rank": rank, "delay_s": round(delay, 2), **seen,
                               "ok": bool(ok)}), flush=True)
             n += 1
