@@ -15,8 +15,8 @@ What the asynchronous save still pays on the main thread: the copy of the state,
 commit; and its writer needs a core that the step does not use.
 Lesson: lessons/12_reliability.md.
 
-    python -m minipar bench checkpoint [--d-model 384] [--n-layer 4] [--seq-len 8] [--batch 2]
-        [--steps-per-round 4] [--repeats 7] [--folder DIR] [--json]
+    python -m minipar bench checkpoint [--d-model 256] [--n-layer 4] [--seq-len 16] [--batch 4]
+        [--steps-per-round 4] [--repeats 5] [--folder DIR] [--json]
 """
 
 from __future__ import annotations
@@ -97,12 +97,12 @@ def checkpoint_figures(d_model: int, n_layer: int, seq_len: int, batch: int, ste
 
 def main(argv) -> int:
     parser = argparse.ArgumentParser(prog="minipar bench checkpoint")
-    parser.add_argument("--d-model", type=int, default=384)
+    parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps-per-round", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--folder", type=Path, default=None, help="where the checkpoints go (a temporary "
                                                                   "folder by default)")
     parser.add_argument("--json", action="store_true")
