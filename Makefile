@@ -1,4 +1,4 @@
-# minipar: make test | make demo | make bench | make figures | make lint | make lessons | make portability | make multinode | make course-selftest | make mutants
+# minipar: make test | make demo | make bench | make figures | make lint | make lessons | make portability | make multinode | make course-selftest | make mutants | make kill-campaign
 # Every target builds .venv first if needed, and reinstalls only when pyproject.toml changed.
 
 SHELL := /bin/bash
@@ -25,7 +25,7 @@ export MPIR_CVAR_ENABLE_HEAVY_YIELD ?= 1
 START := $(shell date +%s)
 say = echo "[make] $(1): $$(( $$(date +%s) - $(2) )) s"
 
-.PHONY: test demo bench figures lint lessons portability setup multinode course-selftest mutants
+.PHONY: test demo bench figures lint lessons portability setup multinode course-selftest mutants kill-campaign
 
 setup: $(INSTALLED)
 
@@ -81,6 +81,13 @@ course-selftest: $(INSTALLED)
 mutants: $(INSTALLED)
 	@t=$$(date +%s); $(PYTHON) tests/mutants.py $(if $(ONLY),--only $(ONLY)); s=$$?; \
 	  $(call say,mutants,$$t); exit $$s
+
+# SIGKILL a rank of a --save-every 1 --save-async job at random times; each kill's newest manifest must
+# validate and resume to the uninterrupted run bit for bit (tests/kill_campaign.py). Not part of make
+# test (10-20 minutes on 2 loaded cores). KILLS=n for fewer.
+kill-campaign: $(INSTALLED)
+	@t=$$(date +%s); $(PYTHON) tests/kill_campaign.py $(if $(KILLS),--kills $(KILLS)); s=$$?; \
+	  $(call say,kill campaign,$$t); exit $$s
 
 bench: $(INSTALLED)
 	$(PYTHON) -m minipar bench all

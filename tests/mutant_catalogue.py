@@ -31,6 +31,7 @@ class Mutant:
 WORKING_COPY_TESTS = "tests/precision/test_zero3_working_copy.py"
 COMM_TESTS = ("tests/distributed/test_comm.py", "tests/distributed/test_collectives.py")
 TRACE_TESTS = "tests/trainer/test_trace.py"
+CHECKPOINT_BENCH_TESTS = "tests/bench/test_checkpoint_bench.py"
 
 PLACEMENT_TESTS = ("tests/parallel/test_placements.py",)
 FSDP_TESTS = ("tests/parallel/test_fsdp.py",)
@@ -353,4 +354,15 @@ MUTANTS = [
     Mutant("chunked-gathered-chunk-counted-at-fp32", "minipar/parallel/zero_chunked.py",
            "self.held[chunk.index] = chunk.numel * shard.itemsize", "self.held[chunk.index] = chunk.nbytes",
            tests=(WORKING_COPY_TESTS,)),
+    # ---- issue 40: the loss plot of a log written under launch, bench checkpoint ----
+    Mutant("plot-loss-first-record-of-a-step-counts", "minipar_lab/plot/loss.py",
+           'records = sorted({r["step"]: r for r in records}.values()',
+           'records = sorted({r["step"]: r for r in reversed(records)}.values()',
+           tests=("tests/plot/test_figures.py::test_curves_of_a_log_written_under_launch_skip_restarts_and_take_the"
+                  "_later_record_of_a_step",)),
+    Mutant("bench-checkpoint-steps-without-their-save", "minipar_lab/bench/checkpoint.py",
+           "            trainer.periodic_save(step + 1)\n", "", tests=(CHECKPOINT_BENCH_TESTS,)),
+    Mutant("bench-checkpoint-async-way-saves-synchronously", "minipar_lab/bench/checkpoint.py",
+           '"async": {"save_every": 1, "save_async": True}', '"async": {"save_every": 1}',
+           tests=(CHECKPOINT_BENCH_TESTS,)),
 ]

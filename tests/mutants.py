@@ -1,8 +1,8 @@
 """make mutants: how many plausible bugs the tests catch, measured the way issues 17 and 41 measured it.
 
 Each mutant of the catalogue (tests/mutant_catalogue.py) is a one-place change of behaviour: a text
-`old` that occurs exactly once in a file of minipar/, replaced by `new`. The runner copies the
-repository (the files git tracks or would track; no .venv, no caches) into a scratch folder once,
+`old` that occurs exactly once in a file of minipar/ or minipar_lab/, replaced by `new`. The runner
+copies the repository (the files git tracks or would track; no .venv, no caches) into a scratch folder once,
 and for each mutant writes the changed file there, runs the tests of the touched package (tests/<package>/,
 or the mutant's own list) with a timeout, serially and then under mpiexec on the mutant's world
 sizes, and writes the original back. The working tree is never written to, so neither a crash nor
@@ -71,15 +71,16 @@ def runs_of(mutant: Mutant) -> list[tuple[int, tuple[str, ...]]]:
 
 
 def check_catalogue(mutants: list[Mutant]) -> list[str]:
-    """Every mutant names a file of minipar/ in which `old` occurs exactly once and differs from `new`."""
+    """Every mutant names a file of minipar/ or minipar_lab/ in which `old` occurs exactly once and
+    differs from `new`."""
     errors, names = [], set()
     for m in mutants:
         if m.name in names:
             errors.append(f"{m.name}: the name is used twice")
         names.add(m.name)
         path = REPO / m.file
-        if not (m.file.startswith("minipar/") and path.is_file()):
-            errors.append(f"{m.name}: {m.file} is not a file of minipar/")
+        if not (m.file.startswith(("minipar/", "minipar_lab/")) and path.is_file()):
+            errors.append(f"{m.name}: {m.file} is not a file of minipar/ or minipar_lab/")
             continue
         count = path.read_text().count(m.old)
         if count != 1 or m.old == m.new:

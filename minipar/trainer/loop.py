@@ -182,16 +182,21 @@ class Trainer:
                 done = step + 1
                 if done == self.snapshot_at:
                     self.snapshot = self.full_state()  # a collective, like the final one
-                if self.cfg.save_async:  # commit the save in flight if every rank's writer is done
-                    self.pending_save = self.settle(self.pending_save)
-                if self.cfg.save and self.cfg.save_every and done % self.cfg.save_every == 0 \
-                        and done < self.cfg.steps:
-                    self.save(done, in_background=self.cfg.save_async)
+                self.periodic_save(done)
         finally:
             self.close_log(log)
         if self.cfg.save:
             self.save(self.cfg.steps)
         return self.records
+
+    def periodic_save(self, done: int) -> None:
+        """The step boundary after `done` steps: commit the save in flight if every rank's writer is
+        done (--save-async), and save every --save-every steps before the last (which run() saves)."""
+        if self.cfg.save_async:
+            self.pending_save = self.settle(self.pending_save)
+        every = self.cfg.save_every
+        if self.cfg.save and every and done % every == 0 and done < self.cfg.steps:
+            self.save(done, in_background=self.cfg.save_async)
 
     def say_budget(self, record: dict):
         """--device-mem-mb auto: which budget the warm-up step chose (zero_chunked.py)."""

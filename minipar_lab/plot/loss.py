@@ -25,7 +25,12 @@ def add_arguments(p) -> None:
 
 def curves(records: list[dict]) -> dict[str, list]:
     """{"step": [...], "loss": [...]} and "accuracy" where every record has that key; a loss the log
-    wrote as null (not finite) is NaN, a gap in the line."""
+    wrote as null (not finite) is NaN, a gap in the line.
+
+    A log written under `minipar launch` also holds its restart records ({"event": "restart", ...}, no
+    step: left out) and, after each, the steps since the checkpoint a second time: the later record of
+    a step counts, as the relaunched run's is the one the final weights came from."""
+    records = [r for r in records if not (isinstance(r, dict) and isinstance(r.get("event"), str))]
     if not records:
         raise ValueError("not a `minipar train --log` file: it has no records")
     for line, record in enumerate(records, 1):
@@ -34,6 +39,7 @@ def curves(records: list[dict]) -> dict[str, list]:
                 and (record.get("accuracy") is None or _is_number(record["accuracy"]))):
             raise ValueError(f"not a `minipar train --log` file: record {line} ({str(record)[:60]}) needs "
                              "an integer step and a number (or null) as its loss")
+    records = sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])  # the later counts
     series = {"step": [r["step"] for r in records],
               "loss": [float("nan") if r["loss"] is None else r["loss"] for r in records]}
     if records and all("accuracy" in r for r in records):

@@ -85,6 +85,17 @@ def test_curves_take_accuracy_only_where_every_record_has_it():
     assert loss.curves([{"step": 0, "loss": 1.0, "accuracy": 0.5}])["accuracy"] == [0.5]
 
 
+def test_curves_of_a_log_written_under_launch_skip_restarts_and_take_the_later_record_of_a_step():
+    """`minipar launch` appends {"event": "restart", ...} and the relaunched run logs the steps after its
+    checkpoint again (elastic.py): one line, the step's later loss."""
+    first = [{"step": s, "loss": 10.0 - s} for s in range(7)]  # killed after step 6
+    restart = {"event": "restart", "attempt": 1, "from_step": 5, "world_size": 4, "cause": "killed"}
+    again = [{"step": s, "loss": 100.0 - s} for s in range(5, 9)]  # resumed at step 5
+    series = loss.curves([*first, restart, *again])
+    assert series["step"] == list(range(9))
+    assert series["loss"] == [10.0, 9.0, 8.0, 7.0, 6.0, 95.0, 94.0, 93.0, 92.0]
+
+
 def write_log(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
