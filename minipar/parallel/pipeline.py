@@ -4,8 +4,8 @@ The idea: stage s holds a contiguous run of the model's units (embedding, blocks
 else. A forward receives the activation from stage s-1, runs the stage and sends its output to s+1;
 a backward receives the output's gradient from s+1, back-propagates through the stage and sends the
 input's gradient to s-1. The last stage owns the loss. Which micro-batch each rank works on, and in
-what order, is the schedule (naive, GPipe, 1F1B, interleaved, ZB-H1): data from `schedules.py`, run
-here by one executor.
+what order, is the schedule (naive, GPipe, 1F1B, interleaved, ZB-H1, ZB-V): data from `schedules.py`,
+run here by one executor.
 
 What it saves: each rank holds only its stage's parameters, gradients and optimizer state (about 1/K).
 What it costs: one point-to-point message of a (micro-batch, T, d_model) activation per stage boundary
@@ -14,7 +14,9 @@ and micro-batch in each direction, and the bubble: with M micro-batches a stage 
 The interleaved schedule gives each rank V chunks (`build_stage(..., virtual_stages=V)`): the bubble
 drops to (K-1)/(VM+K-1) for V times the messages; ZB-H1 splits each backward into B (sent on at once)
 and W (the weight gradients, run later by the autograd engine's deferred calls) to fill the drain.
-Lesson: lessons/06_pipeline.md.
+ZB-V gives each rank two chunks placed as a V (rank s: virtual stages s and 2K-1-s), so the loss is
+computed on rank 0 and the forward turns back on rank K-1 without a message.
+Lessons: lessons/06_pipeline.md, lessons/06b_pipeline_schedules.md.
 """
 
 from __future__ import annotations
@@ -34,7 +36,18 @@ from minipar.core.autograd import Tensor
 from minipar.core.nn import ModelOptions, Module
 from minipar.core.options import option
 from minipar.parallel.api import Runner, count_correct, split_scored
-from minipar.parallel.schedules import SCHEDULES, Action, build_schedule, check_schedule, splits_backward
+from minipar.parallel.schedules import (
+    SCHEDULES,
+    V_SHAPED,
+    Action,
+    build_schedule,
+    check_schedule,
+    chunks_of,
+    placement_of,
+    rank_and_chunk,
+    splits_backward,
+    virtual_stage,
+)
 
 if TYPE_CHECKING:  # only for annotations: the pipeline talks to MPI through Comm
     from mpi4py import MPI
@@ -122,23 +135,34 @@ def without_units(model):
     return shell
 
 
-def build_stage(model, stages: int, stage: int, virtual_stages: int = 1) -> PipelineStage:
+def build_stage(model, stages: int, stage: int, virtual_stages: int = 1, placement: str = "loop"
+                ) -> PipelineStage:
     """Keep this stage's units of `model` (the others are dropped with it); parameters keep their names.
 
     With V virtual stages the units are cut into K·V balanced runs and rank s keeps runs s, K+s, ...
-    (round-robin, Megatron's assignment), so the first and the last run sit on ranks 0 and K-1."""
+    (round-robin, Megatron's assignment), so the first and the last run sit on ranks 0 and K-1. In
+    the V placement (`placement` "v", two chunks) rank s keeps runs s and 2K-1-s: the last is on rank 0."""
     bounds = partition([unit_cost(unit) for _, unit in model.units()], stages * virtual_stages)
-    chunks = [bounds[chunk * stages + stage] for chunk in range(virtual_stages)]
-    return PipelineStage(model, chunks, is_last=stage == stages - 1)
+    chunks = [bounds[virtual_stage(stage, chunk, stages, placement)] for chunk in range(virtual_stages)]
+    last_rank = 0 if placement == "v" else stages - 1
+    return PipelineStage(model, chunks, is_last=stage == last_rank)
 
 
 def bubble_formula(stages: int, microbatches: int, virtual_stages: int = 1, split_backward: bool = False
                    ) -> Fraction:
     """The idle share of a pipeline of equal stages: (K-1)/(M+K-1); with V chunks per rank
-    (K-1)/(VM+K-1); with the backward split (ZB-H1, F = B = W, M >= K) (K-1)/(3M+K-1)."""
+    (K-1)/(VM+K-1); with the backward split (ZB-H1, F = B = W, M >= K) (K-1)/(3M+K-1); with both
+    (ZB-V: two chunks as a V, M >= 2K-1) (K-1)/(6M+K-1)."""
+    if split_backward and virtual_stages == 2:
+        return Fraction(stages - 1, 6 * microbatches + stages - 1)
     if split_backward:
         return Fraction(stages - 1, 3 * microbatches + stages - 1)
     return Fraction(stages - 1, virtual_stages * microbatches + stages - 1)
+
+
+def loss_rank(schedule: str, stages: int) -> int:
+    """The pipeline rank that holds the last virtual stage, and so the loss: 0 in a V, else K-1."""
+    return 0 if placement_of(schedule) == "v" else stages - 1
 
 
 class PipelineRunner(Runner):
@@ -167,7 +191,8 @@ class PipelineRunner(Runner):
         self.stages, self.rank = comm.size, comm.rank
         schedule_table = build_schedule(schedule, self.stages, microbatches, virtual_stages)
         self.microbatches = check_schedule(schedule_table)  # naive runs one, whatever was asked
-        self.virtual_stages = virtual_stages
+        self.virtual_stages = chunks_of(schedule, virtual_stages)
+        self.placement = placement_of(schedule)
         self.split_backward = splits_backward(schedule_table)
         self.actions = schedule_table[self.rank]
         self.width, self.dtype = width, dtype
@@ -175,6 +200,7 @@ class PipelineRunner(Runner):
         self.in_flight: dict[tuple, tuple] = {}  # (micro-batch, chunk) -> (stage input, output), to B
         self.deferred: dict[tuple, list] = {}  # (micro-batch, chunk) -> weight-gradient work, B to W
         self.pending_sends: list[MPI.Request] = []  # this step's sends not yet known to be complete
+        self.turn: dict[int, object] = {}  # tag -> array handed from chunk 0 to chunk 1 on this rank
         self.loss_sum = 0.0
         self.correct = 0  # this step's right predictions among the scored ones (last stage)
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
@@ -195,8 +221,12 @@ class PipelineRunner(Runner):
         return self.rank == self.stages - 1
 
     def virtual(self, action: Action) -> int:
-        """The virtual stage of `action` on this rank: chunk·K + rank."""
-        return (action.chunk or 0) * self.stages + self.rank
+        """The virtual stage of `action` on this rank: chunk·K + rank (in the V: rank or 2K-1-rank)."""
+        return virtual_stage(self.rank, action.chunk, self.stages, self.placement)
+
+    def rank_of(self, virtual: int) -> int:
+        """The pipeline rank that holds virtual stage `virtual`."""
+        return rank_and_chunk(virtual, self.stages, self.virtual_stages, self.placement)[0]
 
     def tag(self, microbatch: int, boundary: int, backward: bool) -> int:
         """A message's tag: the boundary between virtual stages `boundary` and `boundary`+1, and the way."""
@@ -208,6 +238,7 @@ class PipelineRunner(Runner):
         ys = np.array_split(targets, self.microbatches)
         scored_pieces = split_scored(scored, self.microbatches)
         self.in_flight, self.deferred, self.pending_sends, self.loss_sum = {}, {}, [], 0.0
+        self.turn = {}
         self.correct = 0
         self.received_early = 0
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
@@ -238,7 +269,7 @@ class PipelineRunner(Runner):
         if v == 0:
             stage_input = be.from_host(x)
         else:
-            received = self.receive(self.activation_shape(x), (v - 1) % self.stages,
+            received = self.receive(self.activation_shape(x), self.rank_of(v - 1),
                                     self.tag(i, v - 1, backward=False))
             stage_input = Tensor(received, requires_grad=True)
         with self.computing(action):
@@ -248,7 +279,7 @@ class PipelineRunner(Runner):
                 self.loss_sum += output.item()
                 self.correct += count_correct(correct, scored)
         if not last:
-            self.send(output.data, (v + 1) % self.stages, tag=self.tag(i, v, backward=False))
+            self.send(output.data, self.rank_of(v + 1), tag=self.tag(i, v, backward=False))
         self.in_flight[i, action.chunk] = (stage_input, output)
 
     def backward(self, action: Action):
@@ -256,7 +287,7 @@ class PipelineRunner(Runner):
         stage_input, output = self.in_flight.pop((i, action.chunk))
         grad = None
         if v != self.stages * self.virtual_stages - 1:
-            grad = self.receive(output.shape, (v + 1) % self.stages, self.tag(i, v, backward=True))
+            grad = self.receive(output.shape, self.rank_of(v + 1), self.tag(i, v, backward=True))
         with self.computing(action):
             if self.split_backward:  # the input gradient now; the weights' gradients wait for W
                 deferred: list = []
@@ -265,26 +296,28 @@ class PipelineRunner(Runner):
             else:
                 output.backward(grad)
         if v != 0:
-            self.send(stage_input.grad, (v - 1) % self.stages, tag=self.tag(i, v - 1, backward=True))
+            self.send(stage_input.grad, self.rank_of(v - 1), tag=self.tag(i, v - 1, backward=True))
 
     def receive_of(self, action: Action, xs) -> tuple | None:
         """(shape, source, tag) of the message `action` receives, or None: F receives the previous
         virtual stage's activations, B the next one's gradient of them (the same shape)."""
         i, v = action.microbatch, self.virtual(action)
         if action.op == "F" and v != 0:
-            return self.activation_shape(xs[i]), (v - 1) % self.stages, self.tag(i, v - 1, backward=False)
+            return self.activation_shape(xs[i]), self.rank_of(v - 1), self.tag(i, v - 1, backward=False)
         if action.op == "B" and v != self.stages * self.virtual_stages - 1:
-            return self.activation_shape(xs[i]), (v + 1) % self.stages, self.tag(i, v, backward=True)
+            return self.activation_shape(xs[i]), self.rank_of(v + 1), self.tag(i, v, backward=True)
         return None
 
     def post_receive(self, action: Action, xs) -> None:
         wanted = self.receive_of(action, xs)
-        if wanted is not None:
+        if wanted is not None and wanted[1] != self.rank:
             shape, source, tag = wanted
             self.posted[source, tag] = self.comm.irecv(shape, self.dtype, source, tag=tag)
 
     def receive(self, shape, source: int, tag: int):
         """The message from `source` with `tag`: the receive posted early, waited for, or a plain one."""
+        if source == self.rank:  # the turn of the V: the next chunk is on this rank, no message
+            return self.turn.pop(tag)
         # exercise 06.4: the pipeline executor's point-to-point send and receive
         posted = self.posted.pop((source, tag), None)
         if posted is None:
@@ -311,6 +344,9 @@ class PipelineRunner(Runner):
         return (*x.shape[:-1], self.width)
 
     def send(self, array, dest: int, tag: int):
+        if dest == self.rank:
+            self.turn[tag] = array.copy()
+            return
         # exercise 06.4: the pipeline executor's point-to-point send and receive
         self.pending_sends.append(self.comm.isend(array, dest, tag=tag))
         self.pending_sends = [r for r in self.pending_sends if not r.Test()]  # also drives MPI progress
@@ -359,7 +395,8 @@ class PipelineRunner(Runner):
             "bubble_measured": 1.0 - sum(busy) / (self.stages * makespan),
             "bubble_formula": float(bubble_formula(self.stages, self.microbatches, self.virtual_stages,
                                                    self.split_backward)),
-            "formula": "(K-1)/(3M+K-1)" if self.split_backward else
+            "formula": "(K-1)/(6M+K-1)" if self.placement == "v" else
+                       "(K-1)/(3M+K-1)" if self.split_backward else
                        "(K-1)/(VM+K-1)" if self.virtual_stages > 1 else "(K-1)/(M+K-1)",
         }
 
@@ -401,4 +438,7 @@ def config_errors(options: PipelineOptions, model: ModelOptions) -> list[str]:
                           f"{model.n_units()} blocks; each chunk needs at least one")
     elif v != 1:
         errors.append(f"--virtual-stages {v} needs --schedule interleaved and --pp > 1")
+    if options.schedule in V_SHAPED and k > 1 and 2 * k > model.n_units():
+        errors.append(f"--schedule {options.schedule} cuts the model into 2 x --pp {k} = {2 * k} chunks, "
+                      f"more than its {model.n_units()} blocks; each chunk needs at least one")
     return errors

@@ -21,6 +21,12 @@ for, and W, the weight gradient nobody waits for; W steps fill the drain, so wit
 makespan is the lower bound 3M + K - 1 and the bubble (K-1)/(3M + K-1), a third of 1F1B's, holding K
 micro-batches at most, as 1F1B does.
 
+ZB-V (Qi et al. 2024, the V-shaped zero-bubble schedule; torch's ScheduleZBVZeroBubble) gives each
+rank two chunks placed as a V: rank s holds virtual stage s on the way down and 2K-1-s on the way
+back, so the last chunk, and the loss, sit on rank 0, and every rank holds the same amount of
+activations (2K chunk micro-batches, each half a stage: 1F1B's rank-0 level, K stages' worth). With
+F = B = W per chunk its makespan is 6M + K - 1 chunk units: the bubble (K-1)/(6M+K-1), half of ZB-H1's.
+
 `simulate` places the per-stage action lists on time slots, each action starting as soon as its rank
 is free and its inputs exist; the bubble fraction and in-flight counts are read off the result, never
 typed in. Lesson 06 (pipeline parallelism) explains it; `python -m minipar schedule` draws it
@@ -151,8 +157,77 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
     return schedule
 
 
+def zb_v(stages: int, microbatches: int) -> Schedule:
+    """ZB-V: two chunks a rank in the V placement (chunk 0 = virtual stage s, chunk 1 = 2K-1-s).
+
+    Rank s fills with 2(K-s)-1 chunk-0 forwards, then s pairs (chunk-1 forward, chunk-0 forward), then
+    K-s rounds of F, B, W through chunk 1; in the steady state each round is F, B, W through chunk 0
+    and then through chunk 1; the drain runs s pairs of B (chunk 0, chunk 1) with their W left waiting,
+    then K-s rounds of (B, the oldest W) through chunk 0, then the waiting W's, chunk 1's first. The
+    order is written for at least 2K-1 micro-batches (enough to fill the V); with fewer, the actions
+    of micro-batches that do not exist are dropped (torch's ScheduleZBVZeroBubble does the same).
+    """
+    padded = max(2 * stages - 1, microbatches)
+    schedule = []
+    for stage in range(stages):
+        order = _VOrder()
+        order.run([("F", 0)] * (2 * (stages - stage) - 1) + [("F", 1), ("F", 0)] * stage
+                  + [("F", 1), ("B", 1), ("W", 1)] * (stages - stage))
+        while order.count["F", 1] < order.count["F", 0] or order.count["F", 0] < padded:
+            order.run(([("F", 0)] if order.count["F", 0] < padded else [])
+                      + [("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)])
+        order.run([("B", 0), ("B", 1)] * stage + [("B", 0), ("W", 0)] * (stages - stage))
+        order.run([("W", 1)] * (order.count["B", 1] - order.count["W", 1])
+                  + [("W", 0)] * (order.count["B", 0] - order.count["W", 0]))
+        schedule.append([action for action in order.actions if action.microbatch < microbatches])
+    return schedule
+
+
+class _VOrder:
+    """A rank's actions as they are appended: each (op, chunk) takes its next micro-batch in turn."""
+
+    def __init__(self):
+        self.actions: list[Action] = []
+        self.count = {(op, chunk): 0 for op in OPS for chunk in (0, 1)}
+
+    def run(self, steps: list[tuple[str, int]]) -> None:
+        for op, chunk in steps:
+            self.actions.append(Action(op, self.count[op, chunk], chunk))
+            self.count[op, chunk] += 1
+
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
+    "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1,
+    "zb-v": zb_v}
+V_SHAPED = ("zb-v",)  # two chunks a rank in the V placement; the loss on rank 0
+SPLIT_BACKWARD = ("zb-h1", "zb-v")  # B is the input gradient only, W the weight gradient
+
+
+def placement_of(name: str) -> str:
+    """How schedule `name` places virtual stages on ranks: "v" (rank s: s and 2K-1-s) or "loop"
+    (Megatron's round robin: chunk c of rank s is c·K + s)."""
+    return "v" if name in V_SHAPED else "loop"
+
+
+def chunks_of(name: str, virtual_stages: int = 1) -> int:
+    """Chunks per rank: 2 for a V-shaped schedule, else `virtual_stages`."""
+    return 2 if name in V_SHAPED else virtual_stages
+
+
+def virtual_stage(stage: int, chunk: int | None, stages: int, placement: str = "loop") -> int:
+    """The virtual stage (its place in the model's order) of `chunk` on rank `stage`."""
+    if placement == "v" and chunk == 1:
+        return 2 * stages - 1 - stage
+    return (chunk or 0) * stages + stage
+
+
+def rank_and_chunk(virtual: int, stages: int, chunks: int, placement: str = "loop") -> tuple[int, int | None]:
+    """The (rank, chunk) holding virtual stage `virtual`: the inverse of `virtual_stage`."""
+    if chunks == 1:
+        return virtual, None
+    if placement == "v":
+        return (virtual, 0) if virtual < stages else (2 * stages - 1 - virtual, 1)
+    return virtual % stages, virtual // stages
 
 
 # The simulator is plain Python (tens of microseconds an action, and a pass over the stages each time one
@@ -187,6 +262,8 @@ def build_schedule(name: str, stages: int, microbatches: int, virtual_stages: in
         raise ValueError(f"need at least 1 stage and 1 micro-batch, got {stages} and {microbatches}")
     if name == "interleaved":
         return interleaved(stages, microbatches, virtual_stages)
+    if name in V_SHAPED and stages < 2:
+        raise ValueError(f"{name} places two chunks on each of at least 2 ranks, got {stages}")
     if virtual_stages != 1:
         raise ValueError(f"{virtual_stages} virtual stages need the interleaved schedule, not {name}")
     return SCHEDULES[name](stages, microbatches)
@@ -203,32 +280,35 @@ def splits_backward(schedule: Schedule) -> bool:
     return any(action.op == "W" for actions in schedule for action in actions)
 
 
-def _action_at(op: str, microbatch: int, virtual: int, stages: int, chunks: int) -> tuple[int, Action]:
-    """(rank, action) of virtual stage `virtual` (= chunk·K + rank)."""
-    return virtual % stages, Action(op, microbatch, None if chunks == 1 else virtual // stages)
+def _action_at(op: str, microbatch: int, virtual: int, stages: int, chunks: int,
+               placement: str) -> tuple[int, Action]:
+    """(rank, action) of virtual stage `virtual`."""
+    rank, chunk = rank_and_chunk(virtual, stages, chunks, placement)
+    return rank, Action(op, microbatch, chunk)
 
 
-def dependencies(stage: int, action: Action, stages: int,
-                 virtual_stages: int = 1) -> list[tuple[int, Action]]:
+def dependencies(stage: int, action: Action, stages: int, virtual_stages: int = 1,
+                 placement: str = "loop") -> list[tuple[int, Action]]:
     """The (stage, action) pairs that must finish before `action` can start on `stage`.
 
     A pair on another stage is a message the executor receives: activations from the virtual stage
     before for a forward, the gradient from the one after for a backward (with V chunks, virtual stage
-    c·K + s follows c·K + s - 1, and chunk c+1 on rank 0 follows chunk c on rank K-1). A backward also
+    c·K + s follows c·K + s - 1, and chunk c+1 on rank 0 follows chunk c on rank K-1; in the V
+    placement chunk 1 on rank K-1 follows chunk 0 there, and the loss is on rank 0). A backward also
     needs its own forward (the saved activations), which is what starts it on the last virtual stage;
     a weight gradient W needs its own B (the output's gradient, which B received).
     """
-    virtual = (action.chunk or 0) * stages + stage
+    virtual = virtual_stage(stage, action.chunk, stages, placement)
     own_forward = (stage, Action("F", action.microbatch, action.chunk))
     if action.op == "W":
         return [(stage, Action("B", action.microbatch, action.chunk))]
     if action.op == "F":
         if virtual == 0:
             return []
-        return [_action_at("F", action.microbatch, virtual - 1, stages, virtual_stages)]
+        return [_action_at("F", action.microbatch, virtual - 1, stages, virtual_stages, placement)]
     if virtual == stages * virtual_stages - 1:
         return [own_forward]
-    return [own_forward, _action_at("B", action.microbatch, virtual + 1, stages, virtual_stages)]
+    return [own_forward, _action_at("B", action.microbatch, virtual + 1, stages, virtual_stages, placement)]
 
 
 def check_schedule(schedule: Schedule) -> int:
@@ -278,13 +358,15 @@ def action_costs(forward_cost=1, backward_cost=1, weight_cost=1, virtual_stages:
     return {op: cost / virtual_stages for op, cost in costs.items()}
 
 
-def simulate(schedule: Schedule, forward_cost=1, backward_cost=1, weight_cost=1) -> Timeline:
+def simulate(schedule: Schedule, forward_cost=1, backward_cost=1, weight_cost=1,
+             placement: str = "loop") -> Timeline:
     """Run each stage's actions in order, each as early as its rank is free and its inputs are ready.
 
     This is what ranks executing the lists with blocking receives do, if compute takes `forward_cost`,
     `backward_cost` and (for a split backward) `weight_cost` time units per stage (a chunk's share
-    with V chunks), and messages take no time. Costs may be fractions. A schedule whose ranks would
-    wait on each other forever raises ValueError.
+    with V chunks), and messages take no time. Costs may be fractions. `placement` says where the
+    chunks sit ("v" for a V-shaped schedule, `placement_of`). A schedule whose ranks would wait on
+    each other forever raises ValueError.
     """
     check_schedule(schedule)
     chunks = virtual_stages_of(schedule)
@@ -301,7 +383,7 @@ def simulate(schedule: Schedule, forward_cost=1, backward_cost=1, weight_cost=1)
         for stage, actions in enumerate(schedule):
             while position[stage] < len(actions):
                 action = actions[position[stage]]
-                inputs = dependencies(stage, action, stages, chunks)
+                inputs = dependencies(stage, action, stages, chunks, placement)
                 if any(key not in finish for key in inputs):
                     break  # this rank blocks on a receive until another stage gets further
                 begin = max([rank_free_at[stage]] + [finish[key] for key in inputs])
@@ -346,11 +428,11 @@ def peak_inflight(schedule: Schedule) -> list[int]:
     return peaks
 
 
-def p2p_messages(schedule: Schedule) -> int:
+def p2p_messages(schedule: Schedule, placement: str = "loop") -> int:
     """Point-to-point messages of one step: every input an action receives from another rank."""
     chunks = virtual_stages_of(schedule)
     return sum(other != stage for stage, actions in enumerate(schedule) for action in actions
-               for other, _ in dependencies(stage, action, len(schedule), chunks))
+               for other, _ in dependencies(stage, action, len(schedule), chunks, placement))
 
 
 def render(timeline: Timeline) -> str:

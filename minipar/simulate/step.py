@@ -95,6 +95,8 @@ def layout_errors(m: ModelShape, lay: Layout) -> list[str]:
                       f"{m.n_layer} blocks")
     if lay.schedule == "interleaved" and lay.microbatches % lay.pp:
         errors.append(f"interleaved needs microbatches {lay.microbatches} to be a multiple of pp {lay.pp}")
+    if lay.schedule in schedules.V_SHAPED:  # their V placement, messages and memory are not modelled
+        errors.append(f"the simulator does not model the V-shaped schedule {lay.schedule} yet")
     if lay.sp and lay.tp == 1:
         errors.append("sp needs tp > 1")
     if lay.pp > 1:  # only a pipeline runs the schedule simulator

@@ -21,6 +21,7 @@ from pathlib import Path
 from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend, moe, recompute
 from minipar.parallel import context, experts, pipeline, sequence, tensor, zero_chunked
+from minipar.parallel.schedules import SPLIT_BACKWARD
 from minipar.precision import mixed
 from minipar.trainer.build import build_model, build_optimizer, model_config
 from minipar.trainer.config import TrainConfig, gradient_transforms
@@ -141,12 +142,12 @@ def _combinations(cfg: TrainConfig) -> list[str]:
         (cfg.ep > 1 and cfg.chunked,
          f"--ep {cfg.ep} with chunked ZeRO-3 (--offload, --chunk-mb, --device-mem-mb) is not built yet "
          "(use --zero 1, 2 or 3)"),
-        (cfg.schedule == "zb-h1" and cfg.pp > 1 and (cfg.zero == 3 or cfg.chunked),
-         "--schedule zb-h1 runs with --zero 0, 1 or 2 and no offload or chunks: ZeRO-3 would have to "
-         "gather the parameters again for each W step"),
-        (cfg.schedule == "zb-h1" and cfg.pp > 1 and cfg.recompute == "full",
-         "--schedule zb-h1 with --recompute full: a recomputed block's backward runs as one operation, "
-         "so its weight gradients cannot wait for W; use --recompute selective or none"),
+        (cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1 and (cfg.zero == 3 or cfg.chunked),
+         f"--schedule {cfg.schedule} runs with --zero 0, 1 or 2 and no offload or chunks: ZeRO-3 would "
+         "have to gather the parameters again for each W step"),
+        (cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1 and cfg.recompute == "full",
+         f"--schedule {cfg.schedule} with --recompute full: a recomputed block's backward runs as one "
+         "operation, so its weight gradients cannot wait for W; use --recompute selective or none"),
     ]
     return [message for broken, message in rules if broken]
 

@@ -92,6 +92,36 @@ def test_schedules_inside_3d_layouts(schedule, zero, layout, seed):
         assert records[-1]["comm"]["by_dim_op"]["dp"] == plain[-1]["comm"]["by_dim_op"]["dp"]
 
 
+@needs_world_size(2)
+@pytest.mark.mpi
+@pytest.mark.parametrize("model, microbatches", [("gpt", 4), ("mlp", 2)])
+def test_zb_v_trains_to_the_single_process_result(model, microbatches):
+    # K = 2 ranks, 4 chunks as a V; M = 2 is fewer than the 2K-1 that fill the V (actions dropped)
+    cfg = TrainConfig(model=model, dp=1, pp=2, microbatches=microbatches, schedule="zb-v", precision="fp64",
+                      steps=2, batch_size=microbatches, seq_len=6, n_layer=2 if model == "gpt" else 4,
+                      n_head=2, d_model=8, seed=11, quiet=True)
+    _, records = run_in_groups(cfg)
+    # each rank sends from both chunks both ways, but the turn of the V on rank K-1 and the loss on
+    # rank 0 send nothing: 2 of the 4 boundaries cross ranks, 2M messages a rank
+    assert records[-1]["comm"]["messages"] == 2 * microbatches
+    assert records[-1]["pipeline"]["formula"] == "(K-1)/(6M+K-1)"
+
+
+@needs_world_size(4)
+@pytest.mark.mpi
+def test_zb_v_with_zero_1_on_dp_2_pp_2():
+    cfg = TrainConfig(model="gpt", dp=2, pp=2, zero=1, microbatches=3, schedule="zb-v", precision="fp64",
+                      steps=2, batch_size=6, seq_len=6, n_layer=2, n_head=2, d_model=8, seed=5, quiet=True)
+    run_in_groups(cfg)
+
+
+def test_v_stage_holds_chunks_s_and_2k_minus_1_minus_s():
+    names = [build_stage(MLPNet(MLPConfig(d_hidden=8, n_layer=4), seed=None), 2, s, 2, "v").chunk_units
+             for s in range(2)]
+    assert names == [[["layers.0"], ["layers.3"]], [["layers.1"], ["layers.2"]]]
+    assert build_stage(MLPNet(MLPConfig(d_hidden=8, n_layer=4), seed=None), 2, 0, 2, "v").is_last
+
+
 def test_interleaved_stage_holds_its_round_robin_chunks():
     model = MLPNet(MLPConfig(d_hidden=8, n_layer=6), seed=None)  # 6 equal units, 3 chunks on 2 ranks
     names = [build_stage(MLPNet(MLPConfig(d_hidden=8, n_layer=6), seed=None), 2, s, 3).chunk_units
@@ -110,6 +140,9 @@ def test_interleaved_stage_holds_its_round_robin_chunks():
     ({"schedule": "1f1b", "pp": 2, "virtual_stages": 2}, "--virtual-stages 2 needs --schedule interleaved"),
     ({"virtual_stages": 0}, "--virtual-stages must be a positive integer"),
     ({"schedule": "zb-h1", "pp": 2, "dp": 2, "zero": 3}, "--schedule zb-h1 runs with --zero 0, 1 or 2"),
+    ({"schedule": "zb-v", "pp": 2, "dp": 2, "zero": 3}, "--schedule zb-v runs with --zero 0, 1 or 2"),
+    ({"schedule": "zb-v", "pp": 4, "model": "mlp", "n_layer": 6, "microbatches": 4},
+     "--schedule zb-v cuts the model into 2 x --pp 4 = 8 chunks, more than its 6 blocks"),
 ])
 def test_validate_names_the_schedule_mistake(changes, message):
     cfg = TrainConfig(**changes)
