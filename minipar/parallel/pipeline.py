@@ -148,11 +148,15 @@ def build_stage(model, stages: int, stage: int, virtual_stages: int = 1, placeme
     return PipelineStage(model, chunks, is_last=stage == last_rank)
 
 
-def bubble_formula(stages: int, microbatches: int, virtual_stages: int = 1, split_backward: bool = False
-                   ) -> Fraction:
+def bubble_formula(stages: int, microbatches: int, virtual_stages: int = 1, split_backward: bool = False,
+                   overlapped: bool = False) -> Fraction:
     """The idle share of a pipeline of equal stages: (K-1)/(M+K-1); with V chunks per rank
     (K-1)/(VM+K-1); with the backward split (ZB-H1, F = B = W, M >= K) (K-1)/(3M+K-1); with both
-    (ZB-V: two chunks as a V, M >= 2K-1) (K-1)/(6M+K-1)."""
+    (ZB-V: two chunks as a V, M >= 2K-1) (K-1)/(6M+K-1). DualPipeV (`overlapped`), F = B = W a chunk
+    and an F&B costing F + B + W: the DualPipe README's (K-1)(F&B + B - 3W) = 2(K-1) chunk units over
+    6M of work a rank, (K-1)/(3M+K-1)."""
+    if overlapped:
+        return Fraction(stages - 1, 3 * microbatches + stages - 1)
     if split_backward and virtual_stages == 2:
         return Fraction(stages - 1, 6 * microbatches + stages - 1)
     if split_backward:
@@ -192,7 +196,7 @@ class PipelineRunner(Runner):
         schedule_table = build_schedule(schedule, self.stages, microbatches, virtual_stages)
         self.microbatches = check_schedule(schedule_table)  # naive runs one, whatever was asked
         self.virtual_stages = chunks_of(schedule, virtual_stages)
-        self.placement = placement_of(schedule)
+        self.placement, self.schedule = placement_of(schedule), schedule
         self.split_backward = splits_backward(schedule_table)
         self.actions = schedule_table[self.rank]
         self.width, self.dtype = width, dtype
@@ -203,7 +207,7 @@ class PipelineRunner(Runner):
         self.turn: dict[int, object] = {}  # tag -> array handed from chunk 0 to chunk 1 on this rank
         self.loss_sum = 0.0
         self.correct = 0  # this step's right predictions among the scored ones (last stage)
-        self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
+        self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
         self.action_times: list[list] = []  # this step's [label, start, stop], seconds from step_started
         self.step_started = 0.0
         self.last_timing: dict = {}
@@ -241,24 +245,34 @@ class PipelineRunner(Runner):
         self.turn = {}
         self.correct = 0
         self.received_early = 0
-        self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
+        self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
         self.action_times = []
         self.comm.barrier()  # the stages start together, to within the barrier's exit (record_timing)
         started = self.step_started = time.perf_counter()
         for k, action in enumerate(self.actions):
             if self.early_receives and k + 1 < len(self.actions):
                 self.post_receive(self.actions[k + 1], xs)
-            if action.op == "F":
-                i = action.microbatch
-                self.forward(action, xs[i], ys[i], scored_pieces[i], normaliser)
-            elif action.op == "B":
-                self.backward(action)
-            else:
-                self.weight_gradients(action)
+            self.run_action(action, xs, ys, scored_pieces, normaliser)
         for request in self.pending_sends:
             self.comm.wait(request, "send")
         self.record_timing(time.perf_counter() - started)
         return self.loss_sum
+
+    def run_action(self, action: Action, xs, ys, scored_pieces, normaliser: int) -> None:
+        """One step of the schedule. An F&B (DualPipeV) posts the receives of both its parts before
+        either computes, so the forward's input and the backward's gradient travel together, and the
+        forward's output is sent (not waited for) while the backward computes."""
+        if action.op == "F&B" and action.backward is not None:
+            self.post_receive(action, xs)
+            for part in (Action("F", action.microbatch, action.chunk), action.backward):
+                self.run_action(part, xs, ys, scored_pieces, normaliser)
+        elif action.op == "F":
+            i = action.microbatch
+            self.forward(action, xs[i], ys[i], scored_pieces[i], normaliser)
+        elif action.op in ("B", "BW"):
+            self.backward(action)
+        else:
+            self.weight_gradients(action)
 
     def correct_count(self) -> int | None:
         return self.correct  # 0 but on the last stage, like the loss
@@ -289,7 +303,7 @@ class PipelineRunner(Runner):
         if v != self.stages * self.virtual_stages - 1:
             grad = self.receive(output.shape, self.rank_of(v + 1), self.tag(i, v, backward=True))
         with self.computing(action):
-            if self.split_backward:  # the input gradient now; the weights' gradients wait for W
+            if action.op == "B" and self.split_backward:  # the input gradient now; W waits
                 deferred: list = []
                 self.deferred[i, action.chunk] = deferred
                 output.backward(grad, defer_weight_grads=deferred)
@@ -309,10 +323,12 @@ class PipelineRunner(Runner):
         return None
 
     def post_receive(self, action: Action, xs) -> None:
-        wanted = self.receive_of(action, xs)
-        if wanted is not None and wanted[1] != self.rank:
-            shape, source, tag = wanted
-            self.posted[source, tag] = self.comm.irecv(shape, self.dtype, source, tag=tag)
+        """Post the receives `action` (each part of an F&B) will wait for, unless already posted."""
+        for part in action.parts():
+            wanted = self.receive_of(part, xs)
+            if wanted is not None and wanted[1] != self.rank and wanted[1:] not in self.posted:
+                shape, source, tag = wanted
+                self.posted[source, tag] = self.comm.irecv(shape, self.dtype, source, tag=tag)
 
     def receive(self, shape, source: int, tag: int):
         """The message from `source` with `tag`: the receive posted early, waited for, or a plain one."""
@@ -372,7 +388,8 @@ class PipelineRunner(Runner):
         stage's start: the chart is then causal to the microsecond and the makespan runs from the first
         start to the last stop. Across hosts the clocks are not comparable, and each stage's times stay
         counted from its own start ("time_base" says which)."""
-        mine = (self.compute_s["F"], self.compute_s["B"] + self.compute_s["W"], wall_s, self.action_times,
+        backward_s = self.compute_s["B"] + self.compute_s["W"] + self.compute_s["BW"]
+        mine = (self.compute_s["F"], backward_s, wall_s, self.action_times,
                 self.step_started)
         forward, backward, own_walls, own_actions, starts = zip(*self.comm.allgather_obj(mine))
         nodes = self.comm.nodes  # the grid's: each member's MPI processor name (None: one node)
@@ -394,8 +411,9 @@ class PipelineRunner(Runner):
             "time_base": "shared" if shared else "per stage",
             "bubble_measured": 1.0 - sum(busy) / (self.stages * makespan),
             "bubble_formula": float(bubble_formula(self.stages, self.microbatches, self.virtual_stages,
-                                                   self.split_backward)),
-            "formula": "(K-1)/(6M+K-1)" if self.placement == "v" else
+                                                   self.split_backward, self.schedule == "dualpipev")),
+            "formula": "(K-1)/(3M+K-1)" if self.schedule == "dualpipev" else
+                       "(K-1)/(6M+K-1)" if self.placement == "v" else
                        "(K-1)/(3M+K-1)" if self.split_backward else
                        "(K-1)/(VM+K-1)" if self.virtual_stages > 1 else "(K-1)/(M+K-1)",
         }
@@ -438,6 +456,9 @@ def config_errors(options: PipelineOptions, model: ModelOptions) -> list[str]:
                           f"{model.n_units()} blocks; each chunk needs at least one")
     elif v != 1:
         errors.append(f"--virtual-stages {v} needs --schedule interleaved and --pp > 1")
+    if options.schedule == "dualpipev" and k > 1 and options.microbatches < 2 * k:
+        errors.append(f"--schedule dualpipev needs --microbatches >= 2 x --pp = {2 * k}, got "
+                      f"{options.microbatches} (every rank's steady state overlaps two micro-batches)")
     if options.schedule in V_SHAPED and k > 1 and 2 * k > model.n_units():
         errors.append(f"--schedule {options.schedule} cuts the model into 2 x --pp {k} = {2 * k} chunks, "
                       f"more than its {model.n_units()} blocks; each chunk needs at least one")

@@ -46,14 +46,29 @@ OPS = ("F", "B", "W")  # forward, backward (with W: the input gradient only), we
 @dataclass(frozen=True)
 class Action:
     """One step of a pipeline rank: op "F" (forward), "B" (backward) or "W" (weight gradient) of a
-    micro-batch, through one of the rank's chunks (`chunk`: None when a rank holds one stage)."""
+    micro-batch, through one of the rank's chunks (`chunk`: None when a rank holds one stage).
+
+    DualPipeV adds two: "BW", a whole backward (B and W as one step) in a schedule that otherwise splits
+    them, and "F&B", the forward of (microbatch, chunk) and the whole backward `backward` of another
+    micro-batch through the other chunk, run as one overlapped step."""
 
     op: str
     microbatch: int
     chunk: int | None = None
+    backward: Action | None = None  # "F&B" only: the whole backward ("BW") run with this forward
 
     def __str__(self) -> str:
+        if self.backward is not None:
+            return f"F{self.microbatch}.{self.chunk}&{self.backward}"
         return f"{self.op}{self.microbatch}" + ("" if self.chunk is None else f".{self.chunk}")
+
+    def parts(self) -> list[Action]:
+        """The plain F, B and W this step stands for: F&B is its F, B and W; BW is its B and W."""
+        if self.backward is not None:
+            return [Action("F", self.microbatch, self.chunk), *self.backward.parts()]
+        if self.op == "BW":
+            return [Action("B", self.microbatch, self.chunk), Action("W", self.microbatch, self.chunk)]
+        return [self]
 
 
 # schedule[stage] is that stage's actions in the order its rank executes them.
@@ -183,24 +198,86 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
     return schedule
 
 
+def dualpipev(stages: int, microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe cut in half; torch's ScheduleDualPipeV): the V placement, and in
+    the steady state every step is an F&B, one micro-batch's forward through one chunk overlapped
+    with another's whole backward through the other chunk.
+
+    Rank s fills with 2(K-s-1) chunk-0 forwards and s+1 pairs of forwards (chunk 0, chunk 1), then
+    K-s-1 rounds of (B of chunk 1, the oldest waiting W, F of chunk 1); then M-2K+s+1 rounds of
+    (F0&BW1, F1&BW0) (the very first F0&BW1 of rank K-1 runs as two plain steps); K-s-1 rounds of
+    (BW1, F1&BW0); s+1 pairs of backwards (chunk 1, chunk 0), whole until the middle pair, then split
+    with their W waiting; K-s-1 rounds of (the oldest W, B of chunk 0); and the last s+1 waiting W's.
+    Needs M >= 2K micro-batches.
+    """
+    if microbatches < 2 * stages:
+        raise ValueError(f"dualpipev needs at least 2K = {2 * stages} micro-batches, got {microbatches}")
+    schedule = []
+    for s in range(stages):
+        order, rest = _VOrder(), stages - s - 1
+        order.run([("F", 0)] * 2 * rest + [("F", 0), ("F", 1)] * (s + 1))
+        for _ in range(rest):
+            order.run([("B", 1)])
+            order.oldest_weight()
+            order.run([("F", 1)])
+        for i in range(microbatches - 2 * stages + s + 1):
+            if i == 0 and s == stages - 1:  # kept apart: the V's turn has nothing to overlap yet
+                order.run([("F", 0), ("BW", 1)])
+            else:
+                order.overlap(0, 1)
+            order.overlap(1, 0)
+        for _ in range(rest):
+            order.run([("BW", 1)])
+            order.overlap(1, 0)
+        pairs = s + 1  # from the middle pair on, B alone: its W fills the drain
+        for i in range(pairs):
+            order.run([("B" if i > pairs // 2 or (i == pairs // 2 and s % 2) else "BW", 1),
+                       ("B" if i >= pairs // 2 else "BW", 0)])
+        for _ in range(rest):
+            order.oldest_weight()
+            order.run([("B", 0)])
+        for _ in range(pairs):
+            order.oldest_weight()
+        schedule.append(order.actions)
+    return schedule
+
+
 class _VOrder:
-    """A rank's actions as they are appended: each (op, chunk) takes its next micro-batch in turn."""
+    """A rank's actions as they are appended: each (op, chunk) takes its next micro-batch in turn; a
+    split B leaves its W waiting, oldest first; a BW is B and W at once."""
 
     def __init__(self):
         self.actions: list[Action] = []
         self.count = {(op, chunk): 0 for op in OPS for chunk in (0, 1)}
+        self.waiting: list[Action] = []  # the W's of split B's not yet run, oldest first
+
+    def next(self, op: str, chunk: int) -> Action:
+        action = Action(op, self.count["B" if op == "BW" else op, chunk], chunk)
+        for part in action.parts():
+            self.count[part.op, chunk] += 1
+        if op == "B":
+            self.waiting.append(Action("W", action.microbatch, chunk))
+        if op == "W":
+            self.waiting.remove(action)
+        return action
 
     def run(self, steps: list[tuple[str, int]]) -> None:
-        for op, chunk in steps:
-            self.actions.append(Action(op, self.count[op, chunk], chunk))
-            self.count[op, chunk] += 1
+        self.actions += [self.next(op, chunk) for op, chunk in steps]
+
+    def oldest_weight(self) -> None:
+        if self.waiting:
+            self.run([("W", self.waiting[0].chunk or 0)])
+
+    def overlap(self, forward_chunk: int, backward_chunk: int) -> None:
+        forward = self.next("F", forward_chunk)
+        self.actions.append(Action("F&B", forward.microbatch, forward_chunk, self.next("BW", backward_chunk)))
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1,
-    "zb-v": zb_v}
-V_SHAPED = ("zb-v",)  # two chunks a rank in the V placement; the loss on rank 0
-SPLIT_BACKWARD = ("zb-h1", "zb-v")  # B is the input gradient only, W the weight gradient
+    "zb-v": zb_v, "dualpipev": dualpipev}
+V_SHAPED = ("zb-v", "dualpipev")  # two chunks a rank in the V placement; the loss on rank 0
+SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")  # B is the input gradient only, W the weight gradient
 
 
 def placement_of(name: str) -> str:
@@ -277,7 +354,7 @@ def virtual_stages_of(schedule: Schedule) -> int:
 
 def splits_backward(schedule: Schedule) -> bool:
     """Whether B is the input gradient only, with the weight gradient a separate W step (ZB-H1)."""
-    return any(action.op == "W" for actions in schedule for action in actions)
+    return any(part.op == "W" for actions in schedule for action in actions for part in action.parts())
 
 
 def _action_at(op: str, microbatch: int, virtual: int, stages: int, chunks: int,
@@ -296,8 +373,12 @@ def dependencies(stage: int, action: Action, stages: int, virtual_stages: int = 
     c·K + s follows c·K + s - 1, and chunk c+1 on rank 0 follows chunk c on rank K-1; in the V
     placement chunk 1 on rank K-1 follows chunk 0 there, and the loss is on rank 0). A backward also
     needs its own forward (the saved activations), which is what starts it on the last virtual stage;
-    a weight gradient W needs its own B (the output's gradient, which B received).
+    a weight gradient W needs its own B (the output's gradient, which B received). A BW needs what
+    its B needs, and an F&B what its F and its BW need.
     """
+    if action.op in ("F&B", "BW"):
+        return [need for part in action.parts() if part.op != "W"
+                for need in dependencies(stage, part, stages, virtual_stages, placement)]
     virtual = virtual_stage(stage, action.chunk, stages, placement)
     own_forward = (stage, Action("F", action.microbatch, action.chunk))
     if action.op == "W":
@@ -318,10 +399,10 @@ def check_schedule(schedule: Schedule) -> int:
         raise ValueError("a schedule needs at least one stage")
     chunks = sorted({action.chunk for actions in schedule for action in actions}, key=lambda c: c or 0)
     ops = "FBW" if splits_backward(schedule) else "FB"
-    microbatches = len(schedule[0]) // (len(ops) * len(chunks))
+    microbatches = sum(len(action.parts()) for action in schedule[0]) // (len(ops) * len(chunks))
     expected = sorted((op, i, c or 0) for op in ops for i in range(microbatches) for c in chunks)
     for stage, actions in enumerate(schedule):
-        if sorted((a.op, a.microbatch, a.chunk or 0) for a in actions) != expected:
+        if sorted((p.op, p.microbatch, p.chunk or 0) for a in actions for p in a.parts()) != expected:
             raise ValueError(f"stage {stage} must run {', '.join(ops)} of micro-batches "
                              f"0..{microbatches - 1} once" + (" per chunk" if len(chunks) > 1 else ""))
     return microbatches
@@ -350,16 +431,20 @@ def _slot_of(costs: list[Fraction]) -> Fraction:
     return Fraction(math.gcd(*(int(c * denominator) for c in costs)), denominator)
 
 
-def action_costs(forward_cost=1, backward_cost=1, weight_cost=1, virtual_stages: int = 1) -> dict:
-    """Time units of one action per op: a chunk's action costs a stage's divided by V."""
+def action_costs(forward_cost=1, backward_cost=1, weight_cost=1, virtual_stages: int = 1,
+                 overlap_cost=None) -> dict:
+    """Time units of one action per op: a chunk's action costs a stage's divided by V. A BW costs B + W;
+    an F&B `overlap_cost` (default F + B + W: no gain from the overlap)."""
     costs = {"F": Fraction(forward_cost), "B": Fraction(backward_cost), "W": Fraction(weight_cost)}
+    costs["BW"] = costs["B"] + costs["W"]
+    costs["F&B"] = costs["F"] + costs["BW"] if overlap_cost is None else Fraction(overlap_cost)
     if any(cost <= 0 for cost in costs.values()):
-        raise ValueError("forward, backward and weight costs must be positive")
+        raise ValueError("forward, backward, weight and overlap costs must be positive")
     return {op: cost / virtual_stages for op, cost in costs.items()}
 
 
 def simulate(schedule: Schedule, forward_cost=1, backward_cost=1, weight_cost=1,
-             placement: str = "loop") -> Timeline:
+             placement: str = "loop", overlap_cost=None) -> Timeline:
     """Run each stage's actions in order, each as early as its rank is free and its inputs are ready.
 
     This is what ranks executing the lists with blocking receives do, if compute takes `forward_cost`,
@@ -370,7 +455,7 @@ def simulate(schedule: Schedule, forward_cost=1, backward_cost=1, weight_cost=1,
     """
     check_schedule(schedule)
     chunks = virtual_stages_of(schedule)
-    costs = action_costs(forward_cost, backward_cost, weight_cost, chunks)
+    costs = action_costs(forward_cost, backward_cost, weight_cost, chunks, overlap_cost)
     slot = _slot_of(list(costs.values()))
     cost = {op: int(c / slot) for op, c in costs.items()}  # in slots: the simulation is integer
     stages = len(schedule)
@@ -388,7 +473,9 @@ def simulate(schedule: Schedule, forward_cost=1, backward_cost=1, weight_cost=1,
                     break  # this rank blocks on a receive until another stage gets further
                 begin = max([rank_free_at[stage]] + [finish[key] for key in inputs])
                 start[(stage, action)] = begin
-                finish[(stage, action)] = rank_free_at[stage] = begin + cost[action.op]
+                rank_free_at[stage] = begin + cost[action.op]
+                for part in action.parts():  # what F&B and BW stand for is done when they are
+                    finish[(stage, part)] = rank_free_at[stage]
                 position[stage] += 1
                 progressed = True
         if not progressed:
@@ -422,8 +509,9 @@ def peak_inflight(schedule: Schedule) -> list[int]:
     for actions in schedule:
         inflight = peak = 0
         for action in actions:
-            inflight += 1 if action.op == "F" else -1 if action.op == last else 0
-            peak = max(peak, inflight)
+            for part in action.parts():  # an F&B holds its forward's activations before its W frees
+                inflight += 1 if part.op == "F" else -1 if part.op == last else 0
+                peak = max(peak, inflight)
         peaks.append(peak)
     return peaks
 

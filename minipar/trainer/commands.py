@@ -229,7 +229,9 @@ def _parse_schedule(argv: list[str]) -> argparse.Namespace:
                         help="time units of a stage's backward (zb-h1, zb-v: of B, the input gradient); "
                              "forward: 1")
     parser.add_argument("--weight-cost", type=_time_units, default=None,
-                        help="time units of a stage's weight gradient W (zb-h1, zb-v only; default 1)")
+                        help="time units of a stage's weight gradient W (zb-h1, zb-v, dualpipev; default 1)")
+    parser.add_argument("--overlap-cost", type=_time_units, default=None,
+                        help="time units of a stage's F&B step (dualpipev only; default F + B + W)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the chart")
     args = parser.parse_args(argv)
     for name in ("stages", "microbatches", "virtual_stages"):
@@ -237,8 +239,12 @@ def _parse_schedule(argv: list[str]) -> argparse.Namespace:
             flag = "--" + name.replace("_", "-")
             parser.error(f"{flag} must be at least 1, got {getattr(args, name)}")
     if args.weight_cost is not None and args.schedule not in schedules.SPLIT_BACKWARD:
-        parser.error(f"--weight-cost needs --schedule zb-h1 or zb-v "
+        parser.error(f"--weight-cost needs --schedule zb-h1, zb-v or dualpipev "
                      f"(the {args.schedule} backward is one step)")
+    if args.overlap_cost is not None and args.schedule != "dualpipev":
+        parser.error("--overlap-cost needs --schedule dualpipev (the only schedule with F&B steps)")
+    if args.schedule == "dualpipev" and args.microbatches < 2 * args.stages:
+        parser.error(f"--schedule dualpipev needs --microbatches >= 2 x --stages = {2 * args.stages}")
     if args.schedule in schedules.V_SHAPED and args.stages < 2:
         parser.error(f"--schedule {args.schedule} needs --stages of at least 2 (two chunks a rank, as a V)")
     if args.schedule == "interleaved" and args.virtual_stages < 2:
@@ -265,7 +271,8 @@ def schedule_main(argv: list[str]) -> int:
     placement = schedules.placement_of(args.schedule)
     try:
         timeline = schedules.simulate(schedule, backward_cost=args.backward_cost,
-                                      weight_cost=args.weight_cost, placement=placement)
+                                      weight_cost=args.weight_cost, placement=placement,
+                                      overlap_cost=args.overlap_cost)
     except schedules.TimelineTooLarge as why:
         return fail("minipar schedule", str(why))
     bubble = schedules.bubble_fraction(timeline)

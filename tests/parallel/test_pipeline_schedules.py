@@ -107,6 +107,21 @@ def test_zb_v_trains_to_the_single_process_result(model, microbatches):
     assert records[-1]["pipeline"]["formula"] == "(K-1)/(6M+K-1)"
 
 
+@needs_world_size(2)
+@pytest.mark.mpi
+@pytest.mark.parametrize("model, microbatches, overlap", [("gpt", 4, True), ("mlp", 5, False)])
+def test_dualpipev_trains_to_the_single_process_result(model, microbatches, overlap):
+    # the F&B steps run one micro-batch's forward and another's whole backward, receives posted first
+    cfg = TrainConfig(model=model, dp=1, pp=2, microbatches=microbatches, schedule="dualpipev",
+                      precision="fp64", steps=2, batch_size=microbatches, seq_len=6,
+                      n_layer=2 if model == "gpt" else 4, n_head=2, d_model=8, seed=3, quiet=True,
+                      no_overlap=not overlap)
+    _, records = run_in_groups(cfg)
+    assert records[-1]["comm"]["messages"] == 2 * microbatches  # as ZB-V: 2 of 4 boundaries cross ranks
+    labels = [label for label, _, _ in records[-1]["pipeline"]["stage_action_times_s"][0]]
+    assert "F3.0" in labels and "BW1.1" in labels  # rank 0's F&B (F3.0 & BW1.1), timed part by part
+
+
 @needs_world_size(4)
 @pytest.mark.mpi
 def test_zb_v_with_zero_1_on_dp_2_pp_2():
@@ -141,6 +156,8 @@ def test_interleaved_stage_holds_its_round_robin_chunks():
     ({"virtual_stages": 0}, "--virtual-stages must be a positive integer"),
     ({"schedule": "zb-h1", "pp": 2, "dp": 2, "zero": 3}, "--schedule zb-h1 runs with --zero 0, 1 or 2"),
     ({"schedule": "zb-v", "pp": 2, "dp": 2, "zero": 3}, "--schedule zb-v runs with --zero 0, 1 or 2"),
+    ({"schedule": "dualpipev", "pp": 2, "microbatches": 3, "batch_size": 6},
+     "--schedule dualpipev needs --microbatches >= 2 x --pp = 4, got 3"),
     ({"schedule": "zb-v", "pp": 4, "model": "mlp", "n_layer": 6, "microbatches": 4},
      "--schedule zb-v cuts the model into 2 x --pp 4 = 8 chunks, more than its 6 blocks"),
 ])

@@ -1,4 +1,4 @@
-"""The V-shaped schedules as data: ZB-V's order against torch's, its makespan, bubble and memory.
+"""The V-shaped schedules as data: ZB-V's and DualPipeV's orders against torch's, makespan, bubble, memory.
 
 Rank s holds two chunks placed as a V: virtual stage s on the way down and 2K-1-s on the way back,
 so the loss is on rank 0. The expected orders are torch.distributed.pipelining's, transcribed from
@@ -20,6 +20,7 @@ from minipar.parallel.schedules import (
     bubble_fraction,
     build_schedule,
     dependencies,
+    dualpipev,
     one_f_one_b,
     p2p_messages,
     peak_inflight,
@@ -137,3 +138,104 @@ def test_cli_draws_zb_v(capsys):
     assert report["makespan"] == Fraction(6 * 4 + 2 - 1, 2)  # a stage's F = B = W = 1: a chunk's 1/2
     assert report["peak_inflight"] == [4, 4]
     assert report["timeline"][0][0] == "F0.0" and report["timeline"][1][0] is None
+
+
+# torch.distributed.pipelining.schedules.ScheduleDualPipeV._calculate_single_rank_operations (same file
+# and commit as above), in torch's notation: "B" there is a whole backward (minipar's BW), "I" the input
+# gradient (minipar's B), and "(0F3;3B1)" its OVERLAP_F_B action with sub-actions 0F3 and 3B1 (an F&B).
+TORCH_DUALPIPEV = {
+    (2, 4): [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 (0F3;3B1) (3F2;0B0) 3B2 (3F3;0B1) 3B3 0I2 0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 1F2 2B0 (2F2;1B0) (1F3;2B1) (2F3;1B1) 2B2 1B2 2I3 1I3 2W3 1W3",
+    ],
+    (4, 8): [
+        "0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 (0F7;7B3) (7F4;0B0) 7B4 "
+        "(7F5;0B1) 7B5 (7F6;0B2) 7B6 (7F7;0B3) 7B7 0I4 0W4 0I5 0W5 0I6 0W6 0I7 0W7",
+        "1F0 1F1 1F2 1F3 1F4 6F0 1F5 6F1 6I0 6W0 6F2 6I1 6W1 6F3 (1F6;6B2) (6F4;1B0) (1F7;6B3) (6F5;1B1) "
+        "6B4 (6F6;1B2) 6B5 (6F7;1B3) 6B6 1B4 6I7 1I5 6W7 1I6 1W5 1I7 1W6 1W7",
+        "2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 5I0 5W0 5F3 (2F5;5B1) (5F4;2B0) (2F6;5B2) (5F5;2B1) (2F7;5B3) "
+        "(5F6;2B2) 5B4 (5F7;2B3) 5B5 2B4 5B6 2I5 5I7 2I6 2W5 2I7 5W7 2W6 2W7",
+        "3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 3F4 4B0 (4F4;3B0) (3F5;4B1) (4F5;3B1) (3F6;4B2) (4F6;3B2) "
+        "(3F7;4B3) (4F7;3B3) 4B4 3B4 4B5 3B5 4I6 3I6 4I7 3I7 4W6 3W6 4W7 3W7",
+    ],
+    (4, 12): [
+        "0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 (0F7;7B3) (7F4;0B0) "
+        "(0F8;7B4) (7F5;0B1) (0F9;7B5) (7F6;0B2) (0F10;7B6) (7F7;0B3) (0F11;7B7) (7F8;0B4) 7B8 (7F9;0B5) "
+        "7B9 (7F10;0B6) 7B10 (7F11;0B7) 7B11 0I8 0W8 0I9 0W9 0I10 0W10 0I11 0W11",
+        "1F0 1F1 1F2 1F3 1F4 6F0 1F5 6F1 6I0 6W0 6F2 6I1 6W1 6F3 (1F6;6B2) (6F4;1B0) (1F7;6B3) (6F5;1B1) "
+        "(1F8;6B4) (6F6;1B2) (1F9;6B5) (6F7;1B3) (1F10;6B6) (6F8;1B4) (1F11;6B7) (6F9;1B5) 6B8 (6F10;1B6) "
+        "6B9 (6F11;1B7) 6B10 1B8 6I11 1I9 6W11 1I10 1W9 1I11 1W10 1W11",
+        "2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 5I0 5W0 5F3 (2F5;5B1) (5F4;2B0) (2F6;5B2) (5F5;2B1) (2F7;5B3) "
+        "(5F6;2B2) (2F8;5B4) (5F7;2B3) (2F9;5B5) (5F8;2B4) (2F10;5B6) (5F9;2B5) (2F11;5B7) (5F10;2B6) 5B8 "
+        "(5F11;2B7) 5B9 2B8 5B10 2I9 5I11 2I10 2W9 2I11 5W11 2W10 2W11",
+        "3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 3F4 4B0 (4F4;3B0) (3F5;4B1) (4F5;3B1) (3F6;4B2) (4F6;3B2) "
+        "(3F7;4B3) (4F7;3B3) (3F8;4B4) (4F8;3B4) (3F9;4B5) (4F9;3B5) (3F10;4B6) (4F10;3B6) (3F11;4B7) "
+        "(4F11;3B7) 4B8 3B8 4B9 3B9 4I10 3I10 4I11 3I11 4W10 3W10 4W11 3W11",
+    ],
+}
+
+
+def from_torch_overlapped(rank: int, text: str) -> list[Action]:
+    actions = []
+    for word in text.split():
+        pair = re.fullmatch(r"\((\S+);(\S+)\)", word)
+        if pair:
+            forward, backward = (one_from_torch(rank, part) for part in pair.groups())
+            actions.append(Action("F&B", forward.microbatch, forward.chunk, backward))
+        else:
+            actions.append(one_from_torch(rank, word))
+    return actions
+
+
+def one_from_torch(rank: int, word: str) -> Action:
+    stage, op, microbatch = re.fullmatch(r"(\d+)([FIBW])(\d+)", word).groups()
+    return Action({"I": "B", "B": "BW"}.get(op, op), int(microbatch), 0 if int(stage) == rank else 1)
+
+
+@pytest.mark.parametrize("k, m", list(TORCH_DUALPIPEV))
+def test_dualpipev_is_torch_order_action_for_action(k, m):
+    expected = [from_torch_overlapped(rank, text) for rank, text in enumerate(TORCH_DUALPIPEV[k, m])]
+    assert build_schedule("dualpipev", k, m) == dualpipev(k, m) == expected
+
+
+def test_dualpipev_needs_2k_microbatches():
+    with pytest.raises(ValueError, match="at least 2K = 8 micro-batches"):
+        dualpipev(4, 7)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 6), st.integers(0, 6), st.integers(1, 3), st.integers(1, 3), st.integers(0, 2))
+def test_dualpipev_makespan_is_the_dualpipe_readme_row(k, extra, forward, weight, overlap_extra):
+    """DualPipe's README, DualPipeV row: the makespan exceeds the busiest rank's work by
+    (PP/2 - 1)(F&B + B - 3W), PP = 2K chunks, B a whole backward. Written for F = the input gradient
+    >= W and an F&B at least F + the whole backward (the simulator's messages take no time: a cheaper
+    F&B would wait on its inputs, which the README's count leaves out)."""
+    m, weight = 2 * k + extra, min(weight, forward)
+    whole_backward = forward + weight  # input gradient B = F, then W
+    overlap = forward + whole_backward + overlap_extra
+    cost = {"F": forward, "B": forward, "W": weight, "BW": whole_backward, "F&B": overlap}
+    schedule = dualpipev(k, m)
+    # a chunk's costs; simulate takes a stage's, two chunks
+    timeline = simulate(schedule, 2 * forward, 2 * forward, 2 * weight, placement="v",
+                        overlap_cost=2 * overlap)
+    busiest = max(sum(cost[action.op] for action in actions) for actions in schedule)
+    assert timeline.makespan - busiest == (k - 1) * (overlap + whole_backward - 3 * weight)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 6), st.integers(0, 8))
+def test_dualpipev_holds_2k_plus_1_chunk_microbatches(k, extra):
+    # the DualPipe README's PP + 1 with PP = 2K chunks: one more than ZB-V, the F&B's forward held
+    # while its backward's micro-batch is still in flight
+    assert peak_inflight(dualpipev(k, 2 * k + extra)) == [2 * k + 1] * k
+
+
+def test_dualpipev_f_and_b_waits_for_both_inputs():
+    step = Action("F&B", 3, 0, Action("BW", 1, 1))  # rank 1 of 2: F3 through virtual stage 1, BW1 of 2
+    assert dependencies(1, step, 2, 2, "v") == [(0, F(3, 0)), (1, F(1, 1)), (0, B(1, 1))]
+
+
+def test_cli_refuses_dualpipev_with_few_microbatches(capsys):
+    assert schedule_main(["--stages", "4", "--microbatches", "7", "--schedule", "dualpipev"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--schedule dualpipev needs --microbatches >= 2 x --stages = 8" in err[0]
