@@ -205,6 +205,7 @@ class PipelineRunner(Runner):
         self.deferred: dict[tuple, list] = {}  # (micro-batch, chunk) -> weight-gradient work, B to W
         self.pending_sends: list[MPI.Request] = []  # this step's sends not yet known to be complete
         self.turn: dict[int, object] = {}  # tag -> array handed from chunk 0 to chunk 1 on this rank
+        self.peak_held = 0  # this step's most (micro-batch, chunk) pairs held, from F to B (or to W)
         self.loss_sum = 0.0
         self.correct = 0  # this step's right predictions among the scored ones (last stage)
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
@@ -243,6 +244,7 @@ class PipelineRunner(Runner):
         scored_pieces = split_scored(scored, self.microbatches)
         self.in_flight, self.deferred, self.pending_sends, self.loss_sum = {}, {}, [], 0.0
         self.turn = {}
+        self.peak_held = 0
         self.correct = 0
         self.received_early = 0
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
@@ -295,6 +297,7 @@ class PipelineRunner(Runner):
         if not last:
             self.send(output.data, self.rank_of(v + 1), tag=self.tag(i, v, backward=False))
         self.in_flight[i, action.chunk] = (stage_input, output)
+        self.peak_held = max(self.peak_held, len(self.in_flight) + len(self.deferred))
 
     def backward(self, action: Action):
         i, v = action.microbatch, self.virtual(action)
@@ -390,8 +393,8 @@ class PipelineRunner(Runner):
         counted from its own start ("time_base" says which)."""
         backward_s = self.compute_s["B"] + self.compute_s["W"] + self.compute_s["BW"]
         mine = (self.compute_s["F"], backward_s, wall_s, self.action_times,
-                self.step_started)
-        forward, backward, own_walls, own_actions, starts = zip(*self.comm.allgather_obj(mine))
+                self.step_started, self.peak_held)
+        forward, backward, own_walls, own_actions, starts, held = zip(*self.comm.allgather_obj(mine))
         nodes = self.comm.nodes  # the grid's: each member's MPI processor name (None: one node)
         shared = nodes is None or len(set(nodes)) == 1
         walls, actions = (from_the_first_start(starts, own_walls, own_actions) if shared
@@ -408,6 +411,7 @@ class PipelineRunner(Runner):
             "stage_busy_s": busy,
             "makespan_s": makespan,
             "stage_action_times_s": actions,  # per stage: [label, start, stop] in seconds
+            "stage_peak_inflight": list(held),  # per stage: (micro-batch, chunk) pairs held at most
             "time_base": "shared" if shared else "per stage",
             "bubble_measured": 1.0 - sum(busy) / (self.stages * makespan),
             "bubble_formula": float(bubble_formula(self.stages, self.microbatches, self.virtual_stages,

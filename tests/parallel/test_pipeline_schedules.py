@@ -105,6 +105,8 @@ def test_zb_v_trains_to_the_single_process_result(model, microbatches):
     # rank 0 send nothing: 2 of the 4 boundaries cross ranks, 2M messages a rank
     assert records[-1]["comm"]["messages"] == 2 * microbatches
     assert records[-1]["pipeline"]["formula"] == "(K-1)/(6M+K-1)"
+    if microbatches >= 3:  # the V filled: each rank holds 2K chunk micro-batches, 1F1B's rank 0's K stages
+        assert records[-1]["pipeline"]["stage_peak_inflight"] == [4, 4]
 
 
 @needs_world_size(2)
@@ -120,6 +122,7 @@ def test_dualpipev_trains_to_the_single_process_result(model, microbatches, over
     assert records[-1]["comm"]["messages"] == 2 * microbatches  # as ZB-V: 2 of 4 boundaries cross ranks
     labels = [label for label, _, _ in records[-1]["pipeline"]["stage_action_times_s"][0]]
     assert "F3.0" in labels and "BW1.1" in labels  # rank 0's F&B (F3.0 & BW1.1), timed part by part
+    assert records[-1]["pipeline"]["stage_peak_inflight"] == [5, 5]  # the DualPipe README's PP + 1, PP = 2K
 
 
 @needs_world_size(4)
