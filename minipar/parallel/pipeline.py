@@ -206,6 +206,8 @@ class PipelineRunner(Runner):
         self.pending_sends: list[MPI.Request] = []  # this step's sends not yet known to be complete
         self.turn: dict[int, object] = {}  # tag -> array handed from chunk 0 to chunk 1 on this rank
         self.peak_held = 0  # this step's most (micro-batch, chunk) pairs held, from F to B (or to W)
+        # F&B steps: [label, receives posted, backward's receive waited, whether it was posted (None: none)]
+        self.overlaps: list[list] = []
         self.loss_sum = 0.0
         self.correct = 0  # this step's right predictions among the scored ones (last stage)
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
@@ -245,6 +247,7 @@ class PipelineRunner(Runner):
         self.in_flight, self.deferred, self.pending_sends, self.loss_sum = {}, {}, [], 0.0
         self.turn = {}
         self.peak_held = 0
+        self.overlaps = []
         self.correct = 0
         self.received_early = 0
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
@@ -262,12 +265,18 @@ class PipelineRunner(Runner):
 
     def run_action(self, action: Action, xs, ys, scored_pieces, normaliser: int) -> None:
         """One step of the schedule. An F&B (DualPipeV) posts the receives of both its parts before
-        either computes, so the forward's input and the backward's gradient travel together, and the
-        forward's output is sent (not waited for) while the backward computes."""
+        either computes (unless --no-overlap), so the forward's input and the backward's gradient travel
+        together, and the forward's output is sent (not waited for) while the backward computes."""
         if action.op == "F&B" and action.backward is not None:
-            self.post_receive(action, xs)
-            for part in (Action("F", action.microbatch, action.chunk), action.backward):
-                self.run_action(part, xs, ys, scored_pieces, normaliser)
+            if self.early_receives:  # --no-overlap: the two parts one after the other, as a baseline
+                self.post_receive(action, xs)
+            posted = time.perf_counter() - self.step_started
+            wanted = self.receive_of(action.backward.parts()[0], xs)  # None: the loss's chunk starts it
+            in_flight = None if wanted is None or wanted[1] == self.rank else wanted[1:] in self.posted
+            self.run_action(Action("F", action.microbatch, action.chunk), xs, ys, scored_pieces, normaliser)
+            waited = time.perf_counter() - self.step_started  # the backward's receive is waited from here
+            self.run_action(action.backward, xs, ys, scored_pieces, normaliser)
+            self.overlaps.append([str(action), posted, waited, in_flight])
         elif action.op == "F":
             i = action.microbatch
             self.forward(action, xs[i], ys[i], scored_pieces[i], normaliser)
@@ -393,12 +402,14 @@ class PipelineRunner(Runner):
         counted from its own start ("time_base" says which)."""
         backward_s = self.compute_s["B"] + self.compute_s["W"] + self.compute_s["BW"]
         mine = (self.compute_s["F"], backward_s, wall_s, self.action_times,
-                self.step_started, self.peak_held)
-        forward, backward, own_walls, own_actions, starts, held = zip(*self.comm.allgather_obj(mine))
+                self.step_started, self.peak_held, self.overlaps)
+        forward, backward, own_walls, own_actions, starts, held, own_overlaps = zip(
+            *self.comm.allgather_obj(mine))
         nodes = self.comm.nodes  # the grid's: each member's MPI processor name (None: one node)
         shared = nodes is None or len(set(nodes)) == 1
         walls, actions = (from_the_first_start(starts, own_walls, own_actions) if shared
                           else (list(own_walls), list(own_actions)))
+        overlaps = from_the_first_start(starts, own_walls, own_overlaps)[1] if shared else list(own_overlaps)
         busy = [f + b for f, b in zip(forward, backward)]
         makespan = max(walls)
         self.last_timing = {
@@ -412,6 +423,7 @@ class PipelineRunner(Runner):
             "makespan_s": makespan,
             "stage_action_times_s": actions,  # per stage: [label, start, stop] in seconds
             "stage_peak_inflight": list(held),  # per stage: (micro-batch, chunk) pairs held at most
+            "stage_overlaps_s": overlaps,  # per stage, each F&B: [label, posted, waited, receive posted]
             "time_base": "shared" if shared else "per stage",
             "bubble_measured": 1.0 - sum(busy) / (self.stages * makespan),
             "bubble_formula": float(bubble_formula(self.stages, self.microbatches, self.virtual_stages,
@@ -428,7 +440,7 @@ def from_the_first_start(starts, walls, actions) -> tuple[list, list]:
     on one clock), counted instead from the first stage's."""
     shifts = [start - min(starts) for start in starts]
     return ([shift + wall for shift, wall in zip(shifts, walls)],
-            [[[label, begin + shift, end + shift] for label, begin, end in stage]
+            [[[label, begin + shift, end + shift, *rest] for label, begin, end, *rest in stage]
              for stage, shift in zip(actions, shifts)])
 
 

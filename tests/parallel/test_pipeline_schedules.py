@@ -123,6 +123,27 @@ def test_dualpipev_trains_to_the_single_process_result(model, microbatches, over
     labels = [label for label, _, _ in records[-1]["pipeline"]["stage_action_times_s"][0]]
     assert "F3.0" in labels and "BW1.1" in labels  # rank 0's F&B (F3.0 & BW1.1), timed part by part
     assert records[-1]["pipeline"]["stage_peak_inflight"] == [5, 5]  # the DualPipe README's PP + 1, PP = 2K
+    assert_f_and_b_overlaps(records[-1]["pipeline"], microbatches, overlap)
+
+
+def assert_f_and_b_overlaps(timing, microbatches, overlap):
+    """Inside each F&B the backward's receive is posted before the forward computes and waited only
+    after it: the message travels while the other micro-batch's forward runs (and the forward's output
+    is sent, not waited for, before the backward computes). With --no-overlap nothing is posted early."""
+    k = 2
+    for rank, actions in enumerate(timing["stage_action_times_s"]):
+        overlaps = timing["stage_overlaps_s"][rank]
+        # rank s's F&B steps in torch's order: two in each of M-2K+s+1 steady rounds, one in each of
+        # K-s-1 drain rounds, less rank K-1's very first, run as two plain steps
+        assert len(overlaps) == 2 * (microbatches - 2 * k + rank + 1) + (k - rank - 1) - (rank == k - 1)
+        times = {label: (start, stop) for label, start, stop in actions}
+        for label, posted, waited, receive_posted in overlaps:
+            forward, backward = label.split("&")
+            assert posted <= times[forward][0] and times[forward][1] <= waited <= times[backward][0], label
+            # K = 2: rank 0's chunk 0 and rank 1's chunk 1 receive their gradient from the other rank;
+            # rank 0's chunk 1 starts from the loss and rank 1's chunk 0 from the turn of the V
+            crosses = backward.endswith(".0") if rank == 0 else backward.endswith(".1")
+            assert receive_posted is (overlap if crosses else None), label
 
 
 @needs_world_size(4)
