@@ -148,9 +148,11 @@ def assert_f_and_b_overlaps(timing, microbatches, overlap):
 
 @needs_world_size(4)
 @pytest.mark.mpi
-def test_zb_v_with_zero_1_on_dp_2_pp_2():
-    cfg = TrainConfig(model="gpt", dp=2, pp=2, zero=1, microbatches=3, schedule="zb-v", precision="fp64",
-                      steps=2, batch_size=6, seq_len=6, n_layer=2, n_head=2, d_model=8, seed=5, quiet=True)
+@pytest.mark.parametrize("schedule, microbatches", [("zb-v", 3), ("dualpipev", 4)])
+def test_v_schedules_with_zero_1_on_dp_2_pp_2(schedule, microbatches):
+    cfg = TrainConfig(model="gpt", dp=2, pp=2, zero=1, microbatches=microbatches, schedule=schedule,
+                      precision="fp64", steps=2, batch_size=2 * microbatches, seq_len=6, n_layer=2, n_head=2,
+                      d_model=8, seed=5, quiet=True)
     run_in_groups(cfg)
 
 
