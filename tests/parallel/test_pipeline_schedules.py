@@ -111,7 +111,8 @@ def test_zb_v_trains_to_the_single_process_result(model, microbatches):
 
 @needs_world_size(2)
 @pytest.mark.mpi
-@pytest.mark.parametrize("model, microbatches, overlap", [("gpt", 4, True), ("mlp", 5, False)])
+@pytest.mark.parametrize("model, microbatches, overlap",
+                         [("gpt", 4, True), ("mlp", 5, False), ("moe", 4, True)])
 def test_dualpipev_trains_to_the_single_process_result(model, microbatches, overlap):
     # the F&B steps run one micro-batch's forward and another's whole backward, receives posted first
     cfg = TrainConfig(model=model, dp=1, pp=2, microbatches=microbatches, schedule="dualpipev",
