@@ -26,6 +26,10 @@ rank two chunks placed as a V: rank s holds virtual stage s on the way down and 
 back, so the last chunk, and the loss, sit on rank 0, and every rank holds the same amount of
 activations (2K chunk micro-batches, each half a stage: 1F1B's rank-0 level, K stages' worth). With
 F = B = W per chunk its makespan is 6M + K - 1 chunk units: the bubble (K-1)/(6M+K-1), half of ZB-H1's.
+DualPipeV (DeepSeek-V3's DualPipe cut in half; torch's ScheduleDualPipeV) keeps the V and makes each
+steady step an F&B: one micro-batch's forward through one chunk with another's whole backward (BW)
+through the other, so that one's communication hides behind the other's compute (M >= 2K; 2K + 1
+pairs held a rank).
 
 `simulate` places the per-stage action lists on time slots, each action starting as soon as its rank
 is free and its inputs exist; the bubble fraction and in-flight counts are read off the result, never
