@@ -106,7 +106,7 @@ def test_v_placement_dependencies_k2():
     assert dependencies(0, B(5, 0), 2, 2, "v") == [(0, F(5, 0)), (1, B(5, 0))]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.integers(2, 6), st.integers(0, 8))
 def test_zb_v_makespan_reaches_the_lower_bound(k, extra):
     m = 2 * k - 1 + extra  # enough micro-batches to fill the V
@@ -116,7 +116,7 @@ def test_zb_v_makespan_reaches_the_lower_bound(k, extra):
     assert bubble_fraction(timeline) == Fraction(k - 1, 6 * m + k - 1)  # half of ZB-H1's (K-1)/(3M+K-1)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.integers(2, 6), st.integers(1, 20))
 def test_zb_v_runs_without_deadlock_and_holds_1f1b_rank_0_memory(k, m):
     simulate(zb_v(k, m), placement="v")  # every rank's inputs arrive: a deadlock raises
@@ -203,7 +203,7 @@ def test_dualpipev_needs_2k_microbatches():
         dualpipev(4, 7)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.integers(2, 6), st.integers(0, 6), st.integers(1, 3), st.integers(1, 3), st.integers(0, 2))
 def test_dualpipev_makespan_is_the_dualpipe_readme_row(k, extra, forward, weight, overlap_extra):
     """DualPipe's README, DualPipeV row: the makespan exceeds the busiest rank's work by
