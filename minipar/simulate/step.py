@@ -17,12 +17,15 @@ forward; "tp", each half all-reduce (all-gather or reduce-scatter) under the GEM
 drains; "pp", the sends under the next micro-batch's compute. Each hides up to its window's seconds;
 the rest stays exposed (`exposed_comm_s`). The optimizer step is free.
 The pipeline: parallel/schedules.py's simulate() with a forward of 1 and a backward of B/F time
-units (B/F rounded to eighths), its makespan scaled by the forward's seconds.
+units (B/F rounded to eighths), its makespan scaled by the forward's seconds; zb-h1, zb-v and
+dualpipev split the backward into B = W = half of it, the V-shaped two (two chunks a rank) placed as a
+V; their messages counted as two chunks' (the turn of the V on rank K-1, which sends none, included).
 On a CPU (`Machine.cores`), R ranks on C < R cores compute at C/R of their speed each.
 Memory: model states by the ZeRO planner's rule (memory/planner.py), activations by
 memory/activations.py (one micro-batch's peak with pp = 1, exactly what the ledger measures; with pp >
 1, the first stage's in-flight (micro-batch, chunk) pairs times a chunk's blocks: the interleaved
-schedule's 1 + (K-1)/(VK) times 1F1B's). Lesson: lessons/14_simulate.md.
+schedule's 1 + (K-1)/(VK) times 1F1B's; ZB-V's 2K half-stage pairs, 1F1B's; DualPipeV's one more).
+Lesson: lessons/14_simulate.md.
 """
 
 from __future__ import annotations
@@ -77,6 +80,11 @@ class Layout:
     def microbatch_size(self) -> int:
         return self.batch_size // (self.dp * self.microbatches)
 
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: `virtual_stages`, or 2 for a V-shaped schedule."""
+        return schedules.chunks_of(self.schedule, self.virtual_stages)
+
 
 OVERLAPS = ("dp", "tp", "pp")
 
@@ -90,17 +98,17 @@ def layout_errors(m: ModelShape, lay: Layout) -> list[str]:
                       f"{lay.dp * lay.microbatches}")
     if m.n_head % lay.tp or m.d_model % lay.tp:
         errors.append(f"tp {lay.tp} does not divide heads {m.n_head} and width {m.d_model}")
-    if m.n_layer % (lay.pp * lay.virtual_stages):
-        errors.append(f"pp x virtual stages = {lay.pp * lay.virtual_stages} does not divide the "
+    if m.n_layer % (lay.pp * lay.chunks):
+        errors.append(f"pp x chunks per rank = {lay.pp * lay.chunks} does not divide the "
                       f"{m.n_layer} blocks")
     if lay.schedule == "interleaved" and lay.microbatches % lay.pp:
         errors.append(f"interleaved needs microbatches {lay.microbatches} to be a multiple of pp {lay.pp}")
-    if lay.schedule in schedules.V_SHAPED:  # their V placement, messages and memory are not modelled
-        errors.append(f"the simulator does not model the V-shaped schedule {lay.schedule} yet")
+    if lay.schedule == "dualpipev" and lay.pp > 1 and lay.microbatches < 2 * lay.pp:
+        errors.append(f"dualpipev needs microbatches >= 2 x pp = {2 * lay.pp}, got {lay.microbatches}")
     if lay.sp and lay.tp == 1:
         errors.append("sp needs tp > 1")
     if lay.pp > 1:  # only a pipeline runs the schedule simulator
-        errors += schedules.size_errors(lay.pp, lay.microbatches, lay.virtual_stages)
+        errors += schedules.size_errors(lay.pp, lay.microbatches, lay.chunks)
     return errors
 
 
@@ -152,7 +160,7 @@ def activation_memory(m: ModelShape, lay: Layout, inflight: int) -> int:
     block = activations.block_activation_values(s, b, h, a, lay.tp, lay.recompute, lay.sp)
     # `inflight` counts (micro-batch, chunk) pairs: each holds one chunk's blocks, L / (pp x V) (the
     # embedding's few values, held by chunk 0 alone, counted with each pair: an overcount of sb values)
-    chunk = activations.embedding_values(s, b, h, lay.tp) + m.n_layer // (lay.pp * lay.virtual_stages) * block
+    chunk = activations.embedding_values(s, b, h, lay.tp) + m.n_layer // (lay.pp * lay.chunks) * block
     return inflight * chunk * value_bytes
 
 
@@ -169,9 +177,9 @@ def _pipeline(lay: Layout, forward_s: float, backward_s: float) -> tuple[float, 
 def _timeline(name: str, stages: int, microbatches: int, virtual_stages: int, ratio: Fraction):
     """(makespan in forwards, bubble fraction, peak in-flight) of a schedule; a search asks often."""
     schedule = schedules.build_schedule(name, stages, microbatches, virtual_stages)
-    backward = ratio / 2 if name == "zb-h1" else ratio  # zb-h1: B and W share the backward equally
-    weight = ratio / 2 if name == "zb-h1" else 1
-    timeline = schedules.simulate(schedule, 1, backward, weight)
+    split = name in schedules.SPLIT_BACKWARD  # B and W share the backward equally
+    backward, weight = (ratio / 2, ratio / 2) if split else (ratio, 1)
+    timeline = schedules.simulate(schedule, 1, backward, weight, schedules.placement_of(name))
     bubble = float(schedules.bubble_fraction(timeline))
     return float(timeline.makespan), bubble, tuple(schedules.peak_inflight(schedule))
 
@@ -257,7 +265,7 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
         # receiving stage all-gathers the pieces over its tp link
         bandwidth, latency = links["pp"]
         activation = s * b * h * value_bytes
-        p2p = lay.virtual_stages * (latency + activation / lay.tp / bandwidth
+        p2p = lay.chunks * (latency + activation / lay.tp / bandwidth
                                     + ring_seconds("all_gather", activation, lay.tp, *links["tp"]))
     p2p_exposed = 0.0 if "pp" in lay.overlap else p2p  # sent while the next micro-batch computes
     recompute_passes = 1 if lay.recompute == "full" else 0  # only a whole block's rerun all-reduces again

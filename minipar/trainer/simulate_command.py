@@ -32,9 +32,7 @@ def _parser() -> OneLineParser:
     parser.add_argument("--table1", action="store_true", help="Narayanan et al. 2021 Table 1, every row")
     for name in list(MODEL_FLAGS) + list(LAYOUT_FLAGS):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None)
-    # the V-shaped schedules are not modelled yet: their chunks, messages and memory differ
-    parser.add_argument("--schedule", default=None,
-                        choices=[name for name in schedules.SCHEDULES if name not in schedules.V_SHAPED])
+    parser.add_argument("--schedule", choices=list(schedules.SCHEDULES), default=None)
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None)
     parser.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     parser.add_argument("--sp", action="store_true", default=None)
