@@ -1,4 +1,4 @@
-"""`python -m minipar train | plan | schedule | simulate | launch | bench | course | plot` (or `minipar`).
+"""`python -m minipar train | plan | schedule | simulate | trace | launch | bench | course | plot`.
 
 The command line's front door, above every layer: it only dispatches. `bench`, `plot` and `course` are
 the lab's (minipar_lab, a sibling package: the reference never imports it): they are found through the
@@ -19,7 +19,7 @@ from importlib.metadata import entry_points
 
 from minipar.distributed.watchdog import timeout_from_env
 
-REFERENCE_COMMANDS = ("train", "plan", "schedule", "simulate")  # trainer/commands.py's
+REFERENCE_COMMANDS = ("train", "plan", "schedule", "simulate", "trace")  # trainer/'s
 LAB_COMMANDS = ("bench", "course", "plot")  # minipar_lab's, through its entry points
 LAB_GROUP = "minipar.commands"
 COMMANDS = (*REFERENCE_COMMANDS, "launch", *LAB_COMMANDS)
@@ -41,10 +41,10 @@ def lab_command(name: str):
 
 
 def reference_command(name: str):
-    from minipar.trainer import commands
+    from minipar.trainer import commands, trace_summary
 
     return {"train": commands.train_main, "plan": commands.plan_main, "schedule": commands.schedule_main,
-            "simulate": commands.simulate_main}[name]
+            "simulate": commands.simulate_main, "trace": trace_summary.trace_main}[name]
 
 
 def main(argv=None) -> int:

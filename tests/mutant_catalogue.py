@@ -30,8 +30,31 @@ class Mutant:
 
 WORKING_COPY_TESTS = "tests/precision/test_zero3_working_copy.py"
 COMM_TESTS = ("tests/distributed/test_comm.py", "tests/distributed/test_collectives.py")
+TRACE_TESTS = "tests/trainer/test_trace.py"
 
 MUTANTS = [
+    # ---- issue 48: the trace of --trace DIR and `minipar trace summary` ----
+    Mutant("trace-async-end-on-the-wrong-waits", "minipar/trainer/trace.py",
+           "        if pending is not None:\n            self.events.append({\"ph\": \"e\"",
+           "        if pending is None:\n            self.events.append({\"ph\": \"e\"",
+           tests=(TRACE_TESTS,), ranks=(2,)),
+    Mutant("trace-clock-shift-subtracted", "minipar/trainer/trace.py",
+           'ts = math.floor((event.pop("t") + shift_s) * 1e6)',
+           'ts = math.floor((event.pop("t") - shift_s) * 1e6)',
+           tests=(TRACE_TESTS,), ranks=(2,)),
+    Mutant("trace-summary-counts-only-blocking-bytes", "minipar/trainer/trace_summary.py",
+           'if cat == "comm" and "bytes" in args:',
+           'if event["ph"] == "X" and cat == "comm" and "bytes" in args:',
+           tests=(TRACE_TESTS,), ranks=(2,)),
+    Mutant("trace-summary-bubble-counts-every-steps-actions", "minipar/trainer/trace_summary.py",
+           'if span["ts"] <= a["ts"] <= span["ts"] + span["dur"])', 'if span["ts"] <= a["ts"])',
+           tests=(TRACE_TESTS,), ranks=(2,)),
+    Mutant("trace-offload-move-direction-reversed", "minipar/memory/offload.py",
+           "move_meter.moved(block.category, block.tier, tier,",
+           "move_meter.moved(block.category, tier, block.tier,",
+           tests=(TRACE_TESTS,)),
+    Mutant("trace-nesting-check-longer-span-second", "minipar/trainer/trace_summary.py",
+           "key=lambda s: (s[0], -s[1])", "key=lambda s: (s[0], s[1])", tests=(TRACE_TESTS,)),
     # ---- issue 41: the bugs the third round's new tests were written to catch ----
     Mutant("moe-capacity-float", "minipar/core/moe.py",
            "factor = Fraction(repr(float(self.capacity_factor)))", "factor = self.capacity_factor",
@@ -71,8 +94,8 @@ MUTANTS = [
            "self.nodes[peer] == self.nodes[self.rank]", "self.nodes[peer] == self.nodes[peer]",
            tests=COMM_TESTS, ranks=(2,)),
     Mutant("link-ring-charged-to-predecessor", "minipar/distributed/communicator.py",
-           "ring_messages(op, self.size), link=self.link_to(self.successor))",
-           "ring_messages(op, self.size), link=self.link_to((self.rank - 1) % self.size))",
+           "ring_messages(op, self.size), link=self.link_to(self.successor), pending=pending)",
+           "ring_messages(op, self.size), link=self.link_to((self.rank - 1) % self.size), pending=pending)",
            tests=COMM_TESTS, ranks=(4,)),
     Mutant("link-sendrecv-charged-to-source", "minipar/distributed/communicator.py",
            'self.ledger.charge(self.name, "send", send.nbytes, link=self.link_to(dest))\n        return',
@@ -236,6 +259,16 @@ MUTANTS = [
     Mutant("selective-recompute-costs-nothing", "minipar/simulate/model.py",
            "        extra = m.n_layer * 4 * sequences * m.seq_len ** 2 * m.d_model\n",
            "        extra = 0\n", tests=("tests/simulate",)),
+    Mutant("uneven-last-stage-as-heavy-as-any", "minipar/simulate/step.py",
+           "last_beyond = (stages[-1] - layers_here) * block_s + logits[0] + logits[1]",
+           "last_beyond = logits[0] + logits[1]", tests=("tests/simulate",)),
+    Mutant("flash-backward-without-the-score-recompute", "minipar/simulate/kernels.py",
+           "backward = seconds(spec, backward_gemms(gemms) + extra_backward, backward_bytes, value_bytes)",
+           "backward = seconds(spec, backward_gemms(gemms), backward_bytes, value_bytes)",
+           tests=("tests/simulate",)),
+    Mutant("1f1b-bubble-over-microbatches", "minipar/simulate/step.py",
+           "return float(makespan), (stages - 1) / (microbatches + stages - 1), inflight",
+           "return float(makespan), (stages - 1) / microbatches, inflight", tests=("tests/simulate",)),
     # trainer
     Mutant("local-slice-of-rank-zero", "minipar/trainer/tasks.py",
            "return slice(*shard_bounds(batch_size, parts, index))",

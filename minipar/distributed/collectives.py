@@ -156,7 +156,7 @@ def all_to_all(comm: Comm, blocks):
         dest, source = (comm.rank + step) % comm.size, (comm.rank - step) % comm.size
         with comm.watch(f"all_to_all to rank {dest}, from rank {source}"):
             comm.mpi.Sendrecv(host[dest], dest=dest, recvbuf=received[source], source=source)
-        comm.ledger.charge(comm.name, "all_to_all", host[dest].nbytes, 1, link=comm.link_to(dest))
+            comm.ledger.charge(comm.name, "all_to_all", host[dest].nbytes, 1, link=comm.link_to(dest))
     return backend.current().from_host(received)
 
 

@@ -19,6 +19,7 @@ What it costs: nothing extra on the wire. Lesson: lessons/02_collectives.md.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 
 from mpi4py import MPI
@@ -63,6 +64,9 @@ def node_local_rank(mpi_comm) -> int:
     return rank
 
 
+# Names of the non-blocking collectives in flight: a trace pairs each one's start with its wait.
+_PENDING_IDS = itertools.count(1)
+
 # Communicators that ProcessGrid made for a layout, kept for the next grid of the same layout over the
 # same ranks (Comm.split's `reuse`); they live as long as the process, as COMM_WORLD does.
 _REUSED_SPLITS: dict[tuple, MPI.Comm] = {}
@@ -96,10 +100,11 @@ class Comm:
     def __repr__(self) -> str:
         return f"Comm({self.name!r}, rank {self.rank} of {self.size})"
 
-    def _charge_ring(self, op: str, shard_elements: list[int], itemsize: int) -> None:
+    def _charge_ring(self, op: str, shard_elements: list[int], itemsize: int,
+                     pending: int | None = None) -> None:
         shard_nbytes = [count * itemsize for count in shard_elements]
         self.ledger.charge(self.name, op, ring_bytes_sent(op, shard_nbytes, self.rank),
-                           ring_messages(op, self.size), link=self.link_to(self.successor))
+                           ring_messages(op, self.size), link=self.link_to(self.successor), pending=pending)
 
     def all_reduce(self, x, op: str = "sum"):
         """A new array of x's shape: the elementwise op ("sum", "max", "min") over all ranks."""
@@ -107,7 +112,7 @@ class Comm:
         received = _receive_buffer(send.shape, send.dtype)
         with self.watch("all_reduce"):
             self.mpi.Allreduce(send, received, op=REDUCE_OPS[op])
-        self._charge_ring("all_reduce", shard_sizes(send.size, self.size), send.itemsize)
+            self._charge_ring("all_reduce", shard_sizes(send.size, self.size), send.itemsize)
         return _device(received)
 
     def reduce_scatter(self, x, op: str = "sum"):
@@ -117,7 +122,7 @@ class Comm:
         received = _receive_buffer(counts[self.rank], send.dtype)
         with self.watch("reduce_scatter"):
             self.mpi.Reduce_scatter(send, received, recvcounts=counts, op=REDUCE_OPS[op])
-        self._charge_ring("reduce_scatter", counts, send.itemsize)
+            self._charge_ring("reduce_scatter", counts, send.itemsize)
         return _device(received)
 
     def all_gather(self, shard, numel: int | None = None):
@@ -141,7 +146,7 @@ class Comm:
         received = _receive_buffer((self.size, widest), send.dtype)
         with self.watch("all_gather"):
             self.mpi.Allgather(send, received)
-        self._charge_ring("all_gather", counts, send.itemsize)
+            self._charge_ring("all_gather", counts, send.itemsize)
         if all(count == widest for count in counts):
             return _device(received.reshape(-1))
         xp = backend.xp_of(received)
@@ -156,11 +161,11 @@ class Comm:
         The payload reaches N-1 ranks, so the ranks' charges add up to (N-1) * S.
         """
         buffer = _send_buffer(x, copy=True)  # a new buffer: the other ranks receive into it
+        forwards = self.successor != root  # never on one rank: its successor is itself, the root
         with self.watch("broadcast"):
             self.mpi.Bcast(buffer, root=root)
-        forwards = self.successor != root  # never on one rank: its successor is itself, the root
-        self.ledger.charge(self.name, "broadcast", buffer.nbytes if forwards else 0, int(forwards),
-                           link=self.link_to(self.successor))
+            self.ledger.charge(self.name, "broadcast", buffer.nbytes if forwards else 0, int(forwards),
+                               link=self.link_to(self.successor))
         return _device(buffer)
 
     def iall_reduce(self, x, op: str = "sum") -> PendingCollective:
@@ -171,8 +176,9 @@ class Comm:
         send = _send_buffer(x)
         received = _receive_buffer(send.shape, send.dtype)
         request = self.mpi.Iallreduce(send, received, op=REDUCE_OPS[op])
-        self._charge_ring("all_reduce", shard_sizes(send.size, self.size), send.itemsize)
-        return PendingCollective(self, "all_reduce", request, send, lambda: _device(received))
+        pending = next(_PENDING_IDS)
+        self._charge_ring("all_reduce", shard_sizes(send.size, self.size), send.itemsize, pending)
+        return PendingCollective(self, "all_reduce", request, send, lambda: _device(received), pending)
 
     def iall_gather(self, shard, numel: int) -> PendingCollective:
         """Start all_gather(shard, numel) without waiting (ZeRO-3's prefetch): charged now, like
@@ -189,7 +195,8 @@ class Comm:
         send = _send_buffer(flat)
         received = _receive_buffer((self.size, widest), send.dtype)
         request = self.mpi.Iallgather(send, received)
-        self._charge_ring("all_gather", counts, send.itemsize)
+        pending = next(_PENDING_IDS)
+        self._charge_ring("all_gather", counts, send.itemsize, pending)
 
         def gathered():
             if all(count == widest for count in counts):
@@ -197,14 +204,14 @@ class Comm:
             rows = backend.xp_of(received)
             return _device(rows.concatenate([row[:count] for row, count in zip(received, counts)]))
 
-        return PendingCollective(self, "all_gather", request, send, gathered)
+        return PendingCollective(self, "all_gather", request, send, gathered, pending)
 
     def send(self, x, dest: int, tag: int = 0) -> None:
         """Blocking send of x to rank dest of this communicator."""
         buffer = _send_buffer(x)
         with self.watch(f"send to rank {dest}"):
             self.mpi.Send(buffer, dest=dest, tag=tag)
-        self.ledger.charge(self.name, "send", buffer.nbytes, link=self.link_to(dest))
+            self.ledger.charge(self.name, "send", buffer.nbytes, link=self.link_to(dest))
 
     def isend(self, x, dest: int, tag: int = 0):
         """Non-blocking send of x to rank dest, charged like send; returns the MPI request to Wait() on.
@@ -223,7 +230,7 @@ class Comm:
         received = _receive_buffer(send.shape, send.dtype)
         with self.watch(f"sendrecv to rank {dest}, from rank {source}"):
             self.mpi.Sendrecv(send, dest=dest, sendtag=tag, recvbuf=received, source=source, recvtag=tag)
-        self.ledger.charge(self.name, "send", send.nbytes, link=self.link_to(dest))
+            self.ledger.charge(self.name, "send", send.nbytes, link=self.link_to(dest))
         return _device(received)
 
     def irecv(self, shape, dtype, source: int, tag: int = 0) -> PendingCollective:
@@ -245,15 +252,18 @@ class Comm:
             self.mpi.Barrier()
 
     @contextlib.contextmanager
-    def watch(self, op: str):
+    def watch(self, op: str, pending: int | None = None):
         """The context of one blocking call on this communicator, watched by the watchdog; its
-        duration is charged to the ledger's wait time."""
+        duration is charged to the ledger's wait time. A blocking call charges its bytes inside it, so
+        that the ledger's listeners (a trace) put the bytes on the call; `pending`: the wait of a
+        non-blocking call (PendingCollective), charged when it started."""
         started = time.perf_counter()
+        self.ledger.began(self.name, op, started)
         try:
             with watching(op, self.name, self.world_ranks, MPI.COMM_WORLD.Get_rank()):
                 yield
         finally:
-            self.ledger.add_wait(time.perf_counter() - started)
+            self.ledger.waited(self.name, op, started, time.perf_counter(), pending)
 
     def wait(self, request, op: str) -> None:
         """Wait for a request on this communicator under the watchdog (e.g. a pipeline's isend)."""
@@ -301,15 +311,16 @@ class PendingCollective:
     says whether it is done; `wait()` blocks under the watchdog, like any collective, and returns the
     result (`finish()`: the received buffer as the blocking call would return it)."""
 
-    def __init__(self, comm: Comm, op: str, request, send, finish):
+    def __init__(self, comm: Comm, op: str, request, send, finish, pending: int | None = None):
         # the send buffer is kept alive until the request completes: MPI reads it meanwhile
         self.comm, self.op, self.request, self.send, self.finish = comm, op, request, send, finish
+        self.pending = pending  # the name its start was charged under (None: a receive, uncharged)
 
     def test(self) -> bool:
         return bool(self.request.Test())
 
     def wait(self):
-        with self.comm.watch(self.op):  # named as the blocking call is: the watchdog line reads the same
+        with self.comm.watch(self.op, self.pending):  # named as the blocking call: the watchdog's line
             self.request.Wait()
         self.send = None
         return self.finish()

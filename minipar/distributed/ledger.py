@@ -22,6 +22,10 @@ differ from it by less than one element, and the charges of all ranks still add 
 all-reduce. Each charge also says its link: "inter" when the bytes cross to another node, "intra" when
 they stay inside one (lessons/07_3d.md, "Across nodes").
 
+Listeners (`subscribe`, a `RemovableHandle` back) hear every charge and every watched wait as it
+happens: the trace of `--trace` (trainer/trace.py) draws them on a timeline; without one, a charge
+costs one test of an empty list.
+
 What it saves: nothing by itself; it makes the cost of every technique visible and testable.
 What it costs: nothing on the wire. Lesson: lessons/02_collectives.md.
 """
@@ -29,6 +33,8 @@ What it costs: nothing on the wire. Lesson: lessons/02_collectives.md.
 from __future__ import annotations
 
 from collections import Counter
+
+from minipar.core.hooks import HookList, RemovableHandle
 
 
 def ring_bytes_sent(op: str, shard_nbytes: list[int], rank: int) -> int:
@@ -63,15 +69,41 @@ class TrafficLedger:
         self._total_messages: Counter[tuple[str, str]] = Counter()
         self._total_links: Counter[tuple[str, str]] = Counter()  # (dim, link) -> bytes sent
         self.total_wait_s = 0.0  # seconds this rank spent inside watched MPI waits, since the start
+        self.listeners = HookList()
         self.start_step()
 
-    def charge(self, dim: str, op: str, nbytes: int, messages: int = 1, link: str = "intra") -> None:
+    def subscribe(self, listener) -> RemovableHandle:
+        """Tell `listener` of every charge, `listener.charged(dim, op, nbytes, link, pending)`, and of
+        every watched wait once it ends, `listener.waited(dim, op, started, ended, pending)` (seconds of
+        time.perf_counter). `pending` names a non-blocking call (Comm.iall_reduce, iall_gather): its
+        charge when it starts, its wait when it ends; None for the others. A blocking call's charge comes
+        inside its wait: after `began(dim, op, started)`, before `waited`."""
+        return self.listeners.add(listener)
+
+    def charge(self, dim: str, op: str, nbytes: int, messages: int = 1, link: str = "intra",
+               pending: int | None = None) -> None:
         key = (dim, op)
         for counter, amount in ((self._total_bytes, nbytes), (self._step_bytes, nbytes),
                                 (self._total_messages, messages), (self._step_messages, messages)):
             counter[key] += int(amount)
         for counter in (self._total_links, self._step_links):
             counter[(dim, link)] += int(nbytes)
+        if self.listeners:  # none without --trace: no work per charge
+            for listener in self.listeners:
+                listener.charged(dim, op, int(nbytes), link, pending)
+
+    def began(self, dim: str, op: str, started: float) -> None:
+        """A watched wait began (Comm.watch): the listeners' charges until it ends are its own."""
+        if self.listeners:
+            for listener in self.listeners:
+                listener.began(dim, op, started)
+
+    def waited(self, dim: str, op: str, started: float, ended: float, pending: int | None = None) -> None:
+        """A watched wait ended: its time is wait time (add_wait), and the listeners hear of it."""
+        self.add_wait(ended - started)
+        if self.listeners:
+            for listener in self.listeners:
+                listener.waited(dim, op, started, ended, pending)
 
     def start_step(self) -> None:
         """Begin a new step window; step_report() covers the traffic since."""

@@ -58,6 +58,12 @@ class MemoryLedger:
                               listen_weakly(buffer_meter, self._buffers_changed),
                               listen_weakly(tier_meter, self.set)]
         weakref.finalize(self, close_all, list(self.subscriptions))  # a ledger dropped unclosed leaves too
+        self.listeners = HookList()  # told of every change (a trace's counters, trainer/trace.py)
+
+    def subscribe(self, listener) -> RemovableHandle:
+        """Call `listener(category, held_bytes)` whenever a category's bytes change, held_bytes summed
+        over the tiers (`held`): every saved activation, every offload move. None without --trace."""
+        return self.listeners.add(listener)
 
     def close(self):
         """Stop listening to the meters: what the ledger holds stays readable, but it records no more."""
@@ -79,6 +85,8 @@ class MemoryLedger:
             self.peak[key] = nbytes
         self.held_peak[category] = max(self.held_peak[category], self.held(category))
         self.device_peak = max(self.device_peak, self._device_total)
+        if self.listeners:
+            self.listeners.call_all(category, self.held(category))
 
     def add(self, category: str, nbytes: int, tier: str = "device"):
         self.set(category, self.current[(category, tier)] + nbytes, tier)

@@ -32,12 +32,14 @@ import math
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from collections import Counter
 
 import numpy as np
 
 from minipar.core import backend
+from minipar.core.hooks import HookList, RemovableHandle
 from minipar.memory.ledger import TIERS  # device, cpu, disk: the ledger's tiers, fastest first
 from minipar.memory.tracer import MemoryTracer
 
@@ -47,6 +49,24 @@ MiB = 2**20
 # what traffic() counts besides bytes: wasted prefetches were evicted before their use (moved twice for
 # nothing), late evictions made room in the middle of a computation (the others outgrew a forecast)
 COUNTS = ("fetches", "prefetches", "wasted_prefetches", "evictions", "late_evictions", "off_trace")
+
+
+class MoveMeter:
+    """Every counted move of a block between tiers, as it happens, for whoever listens (a trace,
+    trainer/trace.py): `listener(category, source, target, nbytes, started, stopped)`, perf_counter
+    seconds. The same moves `traffic()` counts by direction."""
+
+    def __init__(self):
+        self.listeners = HookList()
+
+    def subscribe(self, listener) -> RemovableHandle:
+        return self.listeners.add(listener)
+
+    def moved(self, category: str, source: str, target: str, nbytes: int, started: float, stopped: float):
+        self.listeners.call_all(category, source, target, nbytes, started, stopped)
+
+
+move_meter = MoveMeter()
 
 
 class DiskTier:
@@ -284,6 +304,7 @@ class TieredStore:
             self.counts["off_trace"] += 1  # OPT's future was wrong here (a forward outside training, say)
 
     def _move(self, block: Block, tier: str, count: bool = True):
+        started = time.perf_counter()
         if tier == "device":
             data = self.backend.xp.array(block.data)  # a copy: host -> device
         elif tier == "cpu":
@@ -296,6 +317,7 @@ class TieredStore:
             block.prefetched = False
         if count:
             self.moved[f"{block.tier}->{tier}"] += block.nbytes
+            move_meter.moved(block.category, block.tier, tier, block.nbytes, started, time.perf_counter())
         block.data, block.tier = data, tier
         self._report()
 

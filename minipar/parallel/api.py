@@ -71,6 +71,11 @@ class Runner(Protocol):
         """The last step's loss scaling (scale, skipped) for the train log, or None without fp16 scaling."""
         return None
 
+    def register_action_hook(self, hook) -> RemovableHandle:
+        """Call `hook(label, started, stopped)` after each of a step's scheduled actions (a pipeline's F,
+        B and W, and its whole schedule as "schedule"); a runner without a schedule never calls it."""
+        return HookList().add(hook)
+
 
 class RunnerWrapper(Runner):
     """A runner that changes a step around an inner runner (context parallelism's columns, MoE's aux
@@ -86,6 +91,9 @@ class RunnerWrapper(Runner):
 
     def log_record(self) -> dict | None:
         return self.runner.log_record()
+
+    def register_action_hook(self, hook) -> RemovableHandle:
+        return self.runner.register_action_hook(hook)
 
 
 @dataclass

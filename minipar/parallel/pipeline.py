@@ -33,6 +33,7 @@ import numpy as np
 
 from minipar.core import backend
 from minipar.core.autograd import Tensor
+from minipar.core.hooks import HookList, RemovableHandle
 from minipar.core.nn import ModelOptions, Module
 from minipar.core.options import option
 from minipar.parallel.api import Runner, count_correct, split_scored
@@ -164,6 +165,9 @@ def bubble_formula(stages: int, microbatches: int, virtual_stages: int = 1, spli
     return Fraction(stages - 1, virtual_stages * microbatches + stages - 1)
 
 
+SCHEDULE = "schedule"  # the action hooks' label of a stage's whole schedule in one step
+
+
 def loss_rank(schedule: str, stages: int) -> int:
     """The pipeline rank that holds the last virtual stage, and so the loss: 0 in a V, else K-1."""
     return 0 if placement_of(schedule) == "v" else stages - 1
@@ -214,6 +218,14 @@ class PipelineRunner(Runner):
         self.action_times: list[list] = []  # this step's [label, start, stop], seconds from step_started
         self.step_started = 0.0
         self.last_timing: dict = {}
+        self.action_hooks = HookList()
+
+    def register_action_hook(self, hook) -> RemovableHandle:
+        """Call `hook(label, started, stopped)` after each action's computation (perf_counter seconds):
+        what `timing()`'s Gantt chart records, as it happens (a trace, trainer/trace.py); and once a
+        step `hook(SCHEDULE, started, stopped)`: this stage's whole schedule, from the barrier's exit to
+        its last send's completion, the span `timing()`'s makespan and bubble are measured over."""
+        return self.action_hooks.add(hook)
 
     def timing(self) -> dict | None:
         """The last step's busy and idle time of every stage and the bubble (None before a step)."""
@@ -260,7 +272,9 @@ class PipelineRunner(Runner):
             self.run_action(action, xs, ys, scored_pieces, normaliser)
         for request in self.pending_sends:
             self.comm.wait(request, "send")
-        self.record_timing(time.perf_counter() - started)
+        stopped = time.perf_counter()
+        self.action_hooks.call_all(SCHEDULE, started, stopped)
+        self.record_timing(stopped - started)
         return self.loss_sum
 
     def run_action(self, action: Action, xs, ys, scored_pieces, normaliser: int) -> None:
@@ -390,6 +404,7 @@ class PipelineRunner(Runner):
         stopped = time.perf_counter()
         self.compute_s[action.op] += stopped - started
         self.action_times.append([str(action), started - self.step_started, stopped - self.step_started])
+        self.action_hooks.call_all(str(action), started, stopped)
 
     def record_timing(self, wall_s: float):
         """Gather every stage's compute time; bubble = idle share of stages x makespan (uncharged control).

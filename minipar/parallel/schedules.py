@@ -494,8 +494,7 @@ def simulate(schedule: Schedule, forward_cost=1, backward_cost=1, weight_cost=1,
                                f"{slot} time units, more than the {MAX_CELLS:,} cells it may hold")
     grid: list[list[Action | None]] = [[None] * max(rank_free_at) for _ in range(stages)]
     for (stage, action), begin in start.items():
-        for cell in range(begin, begin + cost[action.op]):
-            grid[stage][cell] = action
+        grid[stage][begin:begin + cost[action.op]] = [action] * cost[action.op]
     return Timeline(grid=grid, start=start, slot=slot)
 
 

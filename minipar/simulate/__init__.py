@@ -5,7 +5,9 @@ and waves and each elementwise pass at HBM bandwidth (cited measurements), machi
 presets (peak FLOP/s, the kernel model, one calibrated scalar, achieved link bandwidths, each sourced),
 step.py composes compute, communication (the ring costs `Comm` charges) and the pipeline bubble
 (the same schedule simulator `minipar schedule` uses) into a step time, and memory per GPU from the
-ZeRO planner and the activation formulas; presets.py holds published runs to check it against.
+ZeRO planner and the activation formulas; presets.py holds Megatron 2021's Table 1 to calibrate and
+check it against, published.py 20 other published runs (each with its cluster, settings and FLOP
+formula) that it predicts.
 The command is `python -m minipar simulate` (trainer/commands.py). Lesson: lessons/14_simulate.md.
 
 Layer: below trainer (whose command uses it), above checkpoint, precision, parallel and memory,

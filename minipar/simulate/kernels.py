@@ -137,18 +137,37 @@ def seconds(spec: KernelSpec, gemms, elementwise_bytes: int, value_bytes: int = 
             + elementwise_bytes / spec.hbm_bandwidth)
 
 
+def flash_attention_saving(s: int, b: int, h: int, a: int, t: int = 1,
+                           value_bytes: int = 2) -> tuple[int, int, list[tuple[int, int, int, int]]]:
+    """What a fused attention kernel (FlashAttention, Dao et al. 2022) changes: the softmax and its
+    dropout run on chip, so their s x s passes' bytes (the docstring's table: 4as/t values and the
+    as/t-byte mask per token forward, 5as/t and the mask backward) leave HBM, and its backward
+    recomputes the scores q·kᵀ from q and k: one more per-head GEMM. Returns (forward bytes saved,
+    backward bytes saved, the extra backward GEMMs)."""
+    per_token = a * s // t  # the s x s arrays' values per token on a tp rank
+    forward = s * b * (4 * per_token * value_bytes + per_token)
+    backward = s * b * (5 * per_token * value_bytes + per_token)
+    return forward, backward, block_gemms(s, b, h, a, t)[1:2]
+
+
 def block_seconds(spec: KernelSpec, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                  recompute: str = "none", value_bytes: int = 2) -> tuple[float, float]:
+                  recompute: str = "none", value_bytes: int = 2, flash: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one block on one tensor-parallel rank; the backward includes
-    what recomputation reruns (the whole forward, or the attention core)."""
+    what recomputation reruns (the whole forward, or the attention core). `flash`: the attention
+    core fused (flash_attention_saving)."""
     gemms = block_gemms(s, b, h, a, t)
     forward_bytes, backward_bytes = block_elementwise_bytes(s, b, h, a, t, sp, value_bytes)
+    extra_backward: list[tuple[int, int, int, int]] = []
+    if flash:
+        forward_saved, backward_saved, extra_backward = flash_attention_saving(s, b, h, a, t, value_bytes)
+        forward_bytes, backward_bytes = forward_bytes - forward_saved, backward_bytes - backward_saved
     forward = seconds(spec, gemms, forward_bytes, value_bytes)
-    backward = seconds(spec, backward_gemms(gemms), backward_bytes, value_bytes)
+    backward = seconds(spec, backward_gemms(gemms) + extra_backward, backward_bytes, value_bytes)
     if recompute == "full":
         backward += forward
     elif recompute == "selective":
-        backward += seconds(spec, *attention_core(s, b, h, a, t, value_bytes), value_bytes)
+        core_gemms, core_bytes = attention_core(s, b, h, a, t, value_bytes)
+        backward += seconds(spec, core_gemms, 0 if flash else core_bytes, value_bytes)
     return forward, backward
 
 

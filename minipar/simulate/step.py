@@ -17,9 +17,13 @@ forward; "tp", each half all-reduce (all-gather or reduce-scatter) under the GEM
 drains; "pp", the sends under the next micro-batch's compute. Each hides up to its window's seconds;
 the rest stays exposed (`exposed_comm_s`). The optimizer step is free.
 The pipeline: parallel/schedules.py's simulate() with a forward of 1 and a backward of B/F time
-units (B/F rounded to eighths), its makespan scaled by the forward's seconds; zb-h1, zb-v and
-dualpipev split the backward into B = W = half of it, the V-shaped two (two chunks a rank) placed as a
-V; their messages counted as two chunks' (the turn of the V on rank K-1, which sends none, included).
+units (B/F rounded to eighths), its makespan scaled by the forward's seconds (1F1B in its closed
+form, (M + K - 1)(1 + B/F), the same number); zb-h1, zb-v and dualpipev split the backward into
+B = W = half of it, the V-shaped two (two chunks a rank) placed as a V, their messages counted as two
+chunks' (the turn of the V on rank K-1, which sends none, included). Uneven stages
+(`Layout.stage_layers`, as BLOOM partitions): the heaviest stage's timeline. A fused attention
+(`Layout.flash_attention`): no s x s pass through HBM, no s x s array kept
+(kernels.flash_attention_saving).
 On a CPU (`Machine.cores`), R ranks on C < R cores compute at C/R of their speed each.
 Memory: model states by the ZeRO planner's rule (memory/planner.py), activations by
 memory/activations.py (one micro-batch's peak with pp = 1, exactly what the ledger measures; with pp >
@@ -71,6 +75,8 @@ class Layout:
     sp: bool = False
     precision: str = "bf16"
     overlap: tuple[str, ...] = ()  # of "dp", "tp", "pp": what runs under compute (OVERLAPS)
+    stage_layers: tuple[int, ...] | None = None  # blocks per stage, first to last (None: L / pp each)
+    flash_attention: bool = False  # the attention core one fused kernel: no s x s array in HBM
 
     @property
     def gpus(self) -> int:
@@ -85,6 +91,10 @@ class Layout:
         """Model chunks per pipeline rank: `virtual_stages`, or 2 for a V-shaped schedule."""
         return schedules.chunks_of(self.schedule, self.virtual_stages)
 
+    def blocks_per_stage(self, n_layer: int) -> tuple[int, ...]:
+        """Blocks on each pipeline stage, first to last: `stage_layers`, or L / pp each."""
+        return self.stage_layers or (n_layer // self.pp,) * self.pp
+
 
 OVERLAPS = ("dp", "tp", "pp")
 
@@ -98,7 +108,13 @@ def layout_errors(m: ModelShape, lay: Layout) -> list[str]:
                       f"{lay.dp * lay.microbatches}")
     if m.n_head % lay.tp or m.d_model % lay.tp:
         errors.append(f"tp {lay.tp} does not divide heads {m.n_head} and width {m.d_model}")
-    if m.n_layer % (lay.pp * lay.chunks):
+    if lay.stage_layers is not None:
+        if len(lay.stage_layers) != lay.pp or sum(lay.stage_layers) != m.n_layer or min(lay.stage_layers) < 1:
+            errors.append(f"stage layers {list(lay.stage_layers)} are not pp = {lay.pp} stages of the "
+                          f"{m.n_layer} blocks, at least one each")
+        if lay.chunks > 1:
+            errors.append("stage layers need one chunk per stage (virtual stages 1)")
+    elif m.n_layer % (lay.pp * lay.chunks):
         errors.append(f"pp x chunks per rank = {lay.pp * lay.chunks} does not divide the "
                       f"{m.n_layer} blocks")
     if lay.schedule == "interleaved" and lay.microbatches % lay.pp:
@@ -154,13 +170,20 @@ def activation_memory(m: ModelShape, lay: Layout, inflight: int) -> int:
     """The activation peak: memory/activations.py's formulas on one micro-batch of b sequences."""
     s, b, h, a = m.seq_len, lay.microbatch_size, m.d_model, m.n_head
     value_bytes = PRECISION_BYTES[lay.precision][3]
+    # a fused attention keeps no s x s array: what a block keeps is then selective recomputation's
+    recompute = "selective" if lay.flash_attention and lay.recompute == "none" else lay.recompute
+    block = activations.block_activation_values(s, b, h, a, lay.tp, recompute, lay.sp)
     if lay.pp == 1:
+        if recompute != lay.recompute:  # nothing reruns: the end of the forward is the peak
+            return (activations.embedding_values(s, b, h, lay.tp) + m.n_layer * block
+                    + activations.head_values(s, b, h, m.vocab, lay.tp, lay.sp)) * value_bytes
         return activations.gpt_activation_peak(s, b, h, a, m.n_layer, m.vocab, lay.tp, lay.recompute,
                                                value_bytes, lay.sp)
-    block = activations.block_activation_values(s, b, h, a, lay.tp, lay.recompute, lay.sp)
-    # `inflight` counts (micro-batch, chunk) pairs: each holds one chunk's blocks, L / (pp x V) (the
-    # embedding's few values, held by chunk 0 alone, counted with each pair: an overcount of sb values)
-    chunk = activations.embedding_values(s, b, h, lay.tp) + m.n_layer // (lay.pp * lay.chunks) * block
+    # `inflight` counts (micro-batch, chunk) pairs: each holds one chunk's blocks, L / (pp x chunks) or
+    # the first stage's (the embedding's few values, held by chunk 0 alone, counted with each pair: an
+    # overcount of sb values)
+    blocks = lay.blocks_per_stage(m.n_layer)[0] // lay.chunks
+    chunk = activations.embedding_values(s, b, h, lay.tp) + blocks * block
     return inflight * chunk * value_bytes
 
 
@@ -176,6 +199,13 @@ def _pipeline(lay: Layout, forward_s: float, backward_s: float) -> tuple[float, 
 @functools.lru_cache(maxsize=256)
 def _timeline(name: str, stages: int, microbatches: int, virtual_stages: int, ratio: Fraction):
     """(makespan in forwards, bubble fraction, peak in-flight) of a schedule; a search asks often."""
+    if name == "1f1b":
+        # equal stages (lesson 06): each is busy M(1 + B/F), the last starts K-1 forwards late and the
+        # first ends K-1 backwards late; stage k holds min(K - k, M) micro-batches. The same numbers
+        # as simulate()'s timeline (tests/simulate/test_published.py), without its seconds at K = 64
+        makespan = (microbatches + stages - 1) * (1 + ratio)
+        inflight = tuple(min(stages - k, microbatches) for k in range(stages))
+        return float(makespan), (stages - 1) / (microbatches + stages - 1), inflight
     schedule = schedules.build_schedule(name, stages, microbatches, virtual_stages)
     split = name in schedules.SPLIT_BACKWARD  # B and W share the backward equally
     backward, weight = (ratio / 2, ratio / 2) if split else (ratio, 1)
@@ -192,13 +222,13 @@ def _compute_seconds(m: ModelShape, lay: Layout, mach: Machine) -> tuple[Seconds
     logits and loss), recomputation in the backward. With the machine's kernel model (kernels.py):
     each GEMM and elementwise pass, over the one calibrated scalar. Without (a CPU): FLOPs at one
     achieved rate, plus a cost per block and pass, ranks beyond the cores time-sharing them."""
-    b, layers_here = lay.microbatch_size, m.n_layer // lay.pp
+    b, layers_here = lay.microbatch_size, max(lay.blocks_per_stage(m.n_layer))
     if mach.kernels is not None:
         value_bytes = PRECISION_BYTES[lay.precision][3]
         if lay.precision not in kernels.PRECISIONS:
             raise ValueError(kernels.precision_error(mach.name, lay.precision))
         block = kernels.block_seconds(mach.kernels, m.seq_len, b, m.d_model, m.n_head, lay.tp, lay.sp,
-                                      lay.recompute, value_bytes)
+                                      lay.recompute, value_bytes, lay.flash_attention)
         logits = kernels.logit_seconds(mach.kernels, m.seq_len, b, m.d_model, m.vocab, lay.tp, value_bytes)
         scale = mach.matmul_efficiency
         return ((layers_here * block[0] / scale, layers_here * block[1] / scale),
@@ -247,7 +277,8 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     links = _links(lay, mach)
     per_gpu = lay.tp * lay.pp
     (forward_compute, backward_compute), logits = _compute_seconds(m, lay, mach)
-    layers_here = m.n_layer // lay.pp
+    stages = lay.blocks_per_stage(m.n_layer)
+    layers_here = max(stages)  # the heaviest stage's blocks set the pipeline's pace
     # two all-reduces of the s·b·h activations per block and pass (Megatron's f and g); with --sp a
     # reduce-scatter and an all-gather each instead, the same bytes
     all_reduce = ring_seconds("all_reduce", s * b * h * value_bytes, lay.tp, *links["tp"])
@@ -274,11 +305,15 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     if lay.pp == 1:
         forward_s, backward_s = forward_s + logits[0], backward_s + logits[1]
     pipeline_s, bubble, inflight = _pipeline(lay, forward_s, backward_s)
-    # the logits sit on the last stage alone: the slowest stage, busy for every micro-batch, so the
-    # step grows by M times their seconds (exact for 1F1B, whose last stage never waits once it is
-    # the slowest; an approximation for the other schedules)
+    # the logits sit on the last stage alone: when that makes it the slowest stage, busy for every
+    # micro-batch, the step grows by M times what it takes beyond the heaviest stage's blocks (with
+    # even stages, the logits' seconds; exact for 1F1B, whose last stage never waits once it is the
+    # slowest; an approximation for the other schedules). Uneven stages (Layout.stage_layers, as
+    # BLOOM partitions) run the timeline of the heaviest one.
     if lay.pp > 1:
-        pipeline_s += lay.microbatches * (logits[0] + logits[1])
+        block_s = (forward_s + backward_s - 2 * p2p_exposed) / layers_here
+        last_beyond = (stages[-1] - layers_here) * block_s + logits[0] + logits[1]
+        pipeline_s += lay.microbatches * max(0.0, last_beyond)
     grad_bytes = Fraction(parameter_count(m), per_gpu) * PRECISION_BYTES[lay.precision][1]
     gradients = ring_seconds("all_reduce", float(grad_bytes), lay.dp, *links["dp"])
     dp_s = (1.5 if lay.zero == 3 else 1.0) * gradients  # ZeRO-3 gathers parameters again in backward

@@ -33,6 +33,7 @@ from minipar.parallel.tensor import TensorOptions
 from minipar.parallel.zero import ZeroOptions
 from minipar.parallel.zero_chunked import ChunkedOptions
 from minipar.precision.mixed import PrecisionOptions
+from minipar.trainer.trace import TraceOptions
 
 
 @dataclass
@@ -69,13 +70,13 @@ class RunOptions:
 OPTION_GROUPS = (ModelOptions, MoEOptions, DataParallelOptions, TensorOptions, SequenceOptions,
                  PipelineOptions, ContextOptions, ExpertOptions, ZeroOptions, ChunkedOptions,
                  RecomputeOptions, PrecisionOptions, FusionOptions, OptimizerOptions, ClippingOptions,
-                 BackendOptions, RunOptions)
+                 BackendOptions, RunOptions, TraceOptions)
 
 
 # The bases are OPTION_GROUPS backwards: a dataclass takes its bases' fields from the last base to the
 # first, so the fields come in OPTION_GROUPS' order.
 @dataclass
-class TrainConfig(RunOptions, BackendOptions, ClippingOptions, OptimizerOptions, FusionOptions,
+class TrainConfig(TraceOptions, RunOptions, BackendOptions, ClippingOptions, OptimizerOptions, FusionOptions,
                   PrecisionOptions, RecomputeOptions, ChunkedOptions, ZeroOptions, ExpertOptions,
                   ContextOptions, PipelineOptions, SequenceOptions, TensorOptions, DataParallelOptions,
                   MoEOptions, ModelOptions):

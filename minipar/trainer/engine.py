@@ -13,8 +13,11 @@ Lesson: lessons/03_data_parallel.md and lessons/07_3d.md.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
+from minipar.core.hooks import HookList, RemovableHandle
 from minipar.core.moe import RoutingStats
 from minipar.parallel import pipeline
 from minipar.parallel.api import Runner, Updater
@@ -35,6 +38,13 @@ class Engine:
         self.loss_scaler, self.routing_stats = loss_scaler, routing
         self.routing: dict | None = None  # --model moe: the last step's aux loss, tokens per expert
         self.accuracy: float | None = None  # the last step's share of scored predictions that were right
+        self.phase_hooks = HookList()
+
+    def register_phase_hook(self, hook) -> RemovableHandle:
+        """Call `hook(name, started, stopped)` (perf_counter seconds) after each part of a step:
+        "forward_backward" (the runner) and "optimizer_step" (the updater: gradient synchronisation,
+        the gradients-ready point, the optimizer). A trace draws them (trainer/trace.py)."""
+        return self.phase_hooks.add(hook)
 
     def normaliser(self, targets) -> int:
         """The global count the summed loss is divided by: tokens for the GPT, samples for the MLP."""
@@ -45,9 +55,13 @@ class Engine:
         grid = self.grid
         mine = local_slice(len(inputs), grid.dp.size, grid.dp_rank)
         self.model.zero_grad()
+        started = time.perf_counter()
         loss = self.runner.forward_backward(inputs[mine], targets[mine], self.normaliser(targets),
                                             None if scored is None else scored[mine])
+        computed = time.perf_counter()
+        self.phase_hooks.call_all("forward_backward", started, computed)
         self.updater.step()
+        self.phase_hooks.call_all("optimizer_step", computed, time.perf_counter())
         self.routing = self.global_routing_stats(len(targets))
         self.accuracy = self.global_accuracy(targets.size if scored is None else int(scored.sum()))
         return self.global_loss(loss)

@@ -26,6 +26,7 @@ from minipar.trainer import build, reference, report
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.engine import assemble_full_state
 from minipar.trainer.tasks import AdditionTask, RegressionTask
+from minipar.trainer.trace import Trace
 
 
 def make_task(cfg: TrainConfig):
@@ -85,6 +86,8 @@ class Trainer:
         # --check-reference: every weight after step min(20, steps), before training amplifies roundoff
         self.snapshot_at = reference.horizon(cfg.steps) if cfg.check_reference else None
         self.snapshot: dict | None = None
+        # --trace DIR: the timeline's recorder listens from here on (trainer/trace.py)
+        self.trace = Trace(cfg.trace, self.world, self.grid, self.memory, self.engine) if cfg.trace else None
 
     def load(self, directory: str) -> int:
         """The checkpoint's state into the engine, under the watchdog: a rank stuck reading its files
@@ -116,6 +119,8 @@ class Trainer:
             loss = self.engine.train_step(inputs, targets, self.task.answer_positions(inputs, targets))
         backend.current().sync()
         elapsed = time.perf_counter() - started
+        if self.trace is not None:
+            self.trace.span(f"step {step}", started, started + elapsed, {"step": step})
         for category, held in self.engine.updater.memory().items():
             for tier, nbytes in (held.items() if isinstance(held, dict) else [("device", held)]):
                 self.memory.set(category, nbytes, tier)  # {tier: bytes} where model states are offloaded
@@ -141,6 +146,18 @@ class Trainer:
         return record
 
     def run(self) -> list[dict]:
+        """Train from start_step to cfg.steps, save, and with --trace write the timeline (a collective)."""
+        try:
+            records = self.train_and_save()
+        except BaseException:
+            if self.trace is not None:
+                self.trace.stop()  # no timeline: the run stopped; its hooks leave with it
+            raise
+        if self.trace is not None:
+            self.trace.finish(records)
+        return records
+
+    def train_and_save(self) -> list[dict]:
         """Train from start_step to cfg.steps; save every --save-every steps and at the end.
 
         A loss that is not finite (the same on every rank: it is the global loss) stops every rank
@@ -186,6 +203,7 @@ class Trainer:
         """Save after `step` steps; --save-async: the last save in flight is committed first (at most one
         in flight), and this one's files are written by a thread (checkpoint/sharded.py start_save)."""
         keep = self.cfg.keep_last or 1
+        started = time.perf_counter()
         try:
             self.pending_save = checkpoint.finish_save(self.pending_save, self.engine, wait=True)
             if in_background:
@@ -194,6 +212,9 @@ class Trainer:
                 checkpoint.save(self.cfg.save, self.engine, step, keep=keep)
         except checkpoint.SaveFailed as failure:  # every rank, together: one line, like a failed log write
             raise RunStopped(str(failure)) from None
+        if self.trace is not None:
+            self.trace.span(f"checkpoint save (step {step})", started, time.perf_counter(),
+                            {"step": step, "in_background": in_background})
 
     def settle(self, pending):
         try:

@@ -5,7 +5,9 @@ code 2, and prints a table or JSON). `--preset NAME` takes a published run's mod
 (minipar/simulate/presets.py), its precision included; without a preset `--precision` is required
 (a silent default would be 2x off for half the runs compared). Any model or layout flag given as well
 overrides the preset. `--table1`
-prints Narayanan et al.'s Table 1, published against predicted. Lesson: lessons/14_simulate.md.
+prints Narayanan et al.'s Table 1, published against predicted; `--published` the other published
+runs (minipar/simulate/published.py), each on its own cluster and in its publisher's FLOP formula,
+with the median error. Lesson: lessons/14_simulate.md.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import math
 from dataclasses import replace
 
 from minipar.parallel import schedules
-from minipar.simulate import kernels, presets, search
+from minipar.simulate import kernels, presets, published, search
 from minipar.simulate.machines import GPUS, machine
 from minipar.simulate.model import ModelShape
 from minipar.simulate.step import OVERLAPS, PRECISION_BYTES, Layout, layout_errors, simulate_step
@@ -30,6 +32,8 @@ def _parser() -> OneLineParser:
     parser = OneLineParser(prog="minipar simulate", description="Predict a training step at any scale.")
     parser.add_argument("--preset", choices=sorted(presets.MEGATRON_TABLE1) + sorted(presets.PRESETS))
     parser.add_argument("--table1", action="store_true", help="Narayanan et al. 2021 Table 1, every row")
+    parser.add_argument("--published", action="store_true",
+                        help="the other published runs (Megatron 2022, Megatron-Core, BLOOM, GPT-NeoX)")
     for name in list(MODEL_FLAGS) + list(LAYOUT_FLAGS):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     parser.add_argument("--schedule", choices=list(schedules.SCHEDULES), default=None)
@@ -136,6 +140,21 @@ def _print_table1(rows, as_json: bool) -> None:
               f"{r['predicted']:>11.1f}{r['error']:>+8.1%}{r['bubble_fraction']:>8.3f}")
 
 
+def _print_published(rows, as_json: bool) -> None:
+    median = published.median_abs_error(rows)
+    if as_json:
+        print(json.dumps({"runs": rows, "median_abs_error": median}))
+        return
+    print(f"{'run':<16}{'kind':<15}{'GPUs':>5}{'tp':>3}{'pp':>3}{'dp':>4}{'figure':>8}{'published':>10}"
+          f"{'predicted':>10}{'error':>8}")
+    for r in rows:
+        figure = "TFLOP/s" if r["metric"] == "tflops" else "MFU %"
+        print(f"{r['name']:<16}{r['kind']:<15}{r['gpus']:>5}{r['tp']:>3}{r['pp']:>3}{r['dp']:>4}{figure:>8}"
+              f"{r['published']:>10.1f}{r['predicted']:>10.1f}{r['error']:>+8.1%}")
+    print(f"median |error| {median:.1%} over {len(rows)} runs; beyond 20%: "
+          f"{', '.join(r['name'] for r in rows if abs(r['error']) > 0.20) or 'none'}")
+
+
 def _print_result(shape, layout, result) -> None:
     print(f"model: {result['parameters'] / 1e9:.3g}B parameters (L={shape.n_layer}, h={shape.d_model}, "
           f"a={shape.n_head}, s={shape.seq_len}, V={shape.vocab}) on {result['gpus']} GPUs "
@@ -164,6 +183,9 @@ def simulate_main(argv: list[str]) -> int:
         mach = _machine(args)
         if args.table1:
             _print_table1(presets.table1(mach), args.json)
+            return 0
+        if args.published:  # each run on its own cluster: the machine flags do not apply
+            _print_published(published.table(), args.json)
             return 0
         if args.search and args.gpus is None:
             parser.error("--search needs --gpus N")

@@ -23,6 +23,7 @@ from minipar.core import backend, moe, recompute
 from minipar.parallel import context, experts, pipeline, sequence, tensor, zero_chunked
 from minipar.parallel.schedules import SPLIT_BACKWARD
 from minipar.precision import mixed
+from minipar.trainer import trace
 from minipar.trainer.build import build_model, build_optimizer, model_config
 from minipar.trainer.config import TrainConfig, gradient_transforms
 
@@ -235,7 +236,8 @@ def _disk_space(cfg: TrainConfig, model) -> list[str]:
 
 
 def _paths(cfg: TrainConfig) -> list[str]:
-    """--log and --save must be writable where they point; --resume must be a checkpoint of this model."""
+    """--log, --save and --trace must be writable where they point; --resume must be a checkpoint of
+    this model."""
     errors = []
     if cfg.log is not None and Path(cfg.log).is_dir():
         errors.append(f"--log {cfg.log} is a directory, not a file")
@@ -249,6 +251,7 @@ def _paths(cfg: TrainConfig) -> list[str]:
         existing = next(p for p in [Path(cfg.save), *Path(cfg.save).absolute().parents] if p.exists())
         errors += _writable("--save", cfg.save, existing)  # missing folders are created
         errors += [problem] if (problem := checkpoint.foreign_manifest(cfg.save)) else []
+    errors += trace.config_errors(cfg)  # --trace DIR: writable, and never a trace.json of the user's
     if errors or cfg.resume is None:
         return errors
     return checkpoint.problems(cfg, model_config(cfg))

@@ -73,6 +73,7 @@ FLAGS = {
     "--collective-timeout": (None, None, float),
     "--check-reference": (False, None, SWITCH),
     "--quiet": (False, None, SWITCH),
+    "--trace": (None, None, str),
 }
 # the help of the flags that had one before the parser was generated, word for word
 KEPT_HELP = {

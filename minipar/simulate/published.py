@@ -1,0 +1,163 @@
+"""Published runs beyond Megatron 2021's Table 1, each with its publisher's settings and FLOP formula.
+
+The idea: a cost model calibrated on one row is only as good as its predictions of runs it was not
+tuned to. Each entry below is data, with its source: the model's shape, the cluster, the layout, what
+overlapped, the publisher's own FLOP formula and the figure it reported. Nothing is fitted per run:
+every run is simulated with the A100's one scalar of presets.calibrate(). What it costs: where a
+publisher left a setting out, one stated rule per publisher fills it (said at each source below).
+Lesson: lessons/14_simulate.md, "Published against predicted: other runs".
+
+Sources, each checked here against the text named:
+- Megatron 2022 (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models", arXiv 2205.05198): model FLOPs utilization 41.5, 51.4, 56.0, 56.3% for 22B, 175B, 530B
+  and 1T, as NVIDIA's Megatron-LM README gave them (the table "Model FLOPs Utilization", README.md
+  at the parent of commit f2e5db402c of github.com/NVIDIA/Megatron-LM), "measured using a data
+  parallel size of one"; shapes and layouts from the paper's Table 3 (not rechecked here): A100-80GB
+  (Selene), sequence 2048, vocabulary 51200, selective recomputation with sequence parallelism,
+  micro-batch 4 for 22B and 1 for the others. Lesson 14 reads Table 3 as interleaving the 175B
+  pipeline, with no chunk count given: 1F1B for all four here (rule: a schedule not sized is 1F1B).
+  MFU = 72·B·s·L·h²(1 + s/6h + V/12Lh) / (time x GPUs x 312 TFLOP/s).
+- Megatron-Core on H100 (the Megatron-LM README since commit f2e5db402c, July 2024: images/
+  model_table.png, its nine rows; the text beside it): vocabulary 131072, sequence 4096, data-,
+  tensor- and pipeline-parallel communication overlapped with compute (`--overlap-grad-reduce
+  --overlap-param-gather`, `--tp-comm-overlap`, pipeline by default). Per-GPU TFLOP/s by
+  Megatron's num_floating_point_operations, which for this GPT (4h MLP, no GQA, no SwiGLU) is the
+  72 form. Rules for what the README leaves out: bf16; the distributed optimizer (ZeRO-1, which
+  --overlap-param-gather needs); sequence parallelism where tp > 1 (which --tp-comm-overlap needs);
+  Transformer Engine's fused attention (`flash_attention`); no recomputation; micro-batch 1; 1F1B.
+- BLOOM (BigScience, train/tr11-176B-ml/chronicles-prequel.md of github.com/bigscience-workshop/
+  bigscience, section "Rebalancing layers", runs of 2022-02-28, the layouts the final BLOOM-176B
+  was chosen from; its tr11-176B-ml.slurm for the rest): 48 nodes of 8 A100-80GB on Jean Zay
+  (4 Omni-Path links of 100 Gb/s per node, train/tr11-176B-ml/README.md), global batch 2048,
+  sequence 2048, vocabulary padded to 250880, bf16 with its own ZeRO-1, full recomputation,
+  Megatron-DeepSpeed with nothing overlapped, the pipeline cut by `--pp-partition-method
+  'type:transformer|embedding'` (L + 2 slots, each embedding one: the first and last stages hold one
+  block fewer). TFLOP/s by eq. 3 of Narayanan et al. (the 96 form; math/README.md of the same
+  repository, "Calculate TFLOPs").
+- GPT-NeoX-20B (Black et al. 2022, arXiv 2204.06745: 117 TFLOP/s per GPU, as quoted to this
+  project, not rechecked here; 12 nodes of 8 A100-40GB, 4 HDR InfiniBand adapters per node; shape and
+  layout from configs/20B.yml at tag v1.0 of github.com/EleutherAI/gpt-neox): tp 2, pp 4, micro-batch
+  4, 32 micro-batches, full recomputation, fp16, ZeRO-1. Its FLOP formula (megatron/logging.py's
+  get_flops at v1.0): B·s·(6N + 60·s·h·L) with N = 20,556,201,984 parameters (the model card).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from minipar.simulate.machines import Machine, machine
+from minipar.simulate.model import ModelShape, hardware_flops, model_flops
+from minipar.simulate.step import Layout, simulate_step
+
+# the clusters: a GPU preset and what differs from it. Jean Zay: 4 Omni-Path links of 100 Gb/s per
+# node of 8 GPUs, 6.25 GB/s each way per GPU, taken at the 86% NCCL reaches on InfiniBand
+# (machines.py): 5.375. The GPT-NeoX cluster: 4 HDR adapters (200 Gb/s) per node of 8, 12.5 GB/s per
+# GPU, at 86%: 10.75.
+CLUSTERS: dict[str, Callable[[], Machine]] = {
+    "selene": lambda: machine("a100-80gb"),
+    "jean-zay": lambda: machine("a100-80gb", inter_bandwidth=5.375e9),
+    "neox": lambda: machine("a100-40gb", inter_bandwidth=10.75e9),
+    "h100": lambda: machine("h100-80gb"),
+}
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    kind: str                                    # the publisher: one of KINDS
+    shape: ModelShape
+    layout: Layout
+    cluster: str                                 # a key of CLUSTERS
+    published: float                             # TFLOP/s per GPU, or MFU in % (metric)
+    metric: str                                  # "tflops" or "mfu"
+    flops: Callable[[ModelShape, int], float]    # the publisher's FLOPs of one step of B sequences
+
+
+KINDS = ("megatron-2022", "megatron-core", "bloom", "gpt-neox")
+
+
+def neox_flops(m: ModelShape, sequences: int) -> float:
+    """GPT-NeoX v1.0's get_flops: B·s·(6N + 60·s·h·L), N the 20B model's parameters."""
+    return sequences * m.seq_len * (6 * 20_556_201_984 + 60 * m.seq_len * m.d_model * m.n_layer)
+
+
+def megatron_2021_flops(m: ModelShape, sequences: int) -> float:
+    """Eq. 3 of Narayanan et al. 2021, what Megatron-DeepSpeed reports with recomputation."""
+    return hardware_flops(m, sequences, "full")
+
+
+def _megatron_2022(name, heads, h, layers, pp, gpus, batch, microbatch, mfu) -> PublishedRun:
+    shape = ModelShape(layers, h, heads, 2048, 51200)
+    layout = Layout(batch, microbatches=batch // microbatch, dp=1, tp=8, pp=pp, recompute="selective",
+                    sp=True, precision="bf16")
+    assert layout.gpus == gpus
+    return PublishedRun(name, "megatron-2022", shape, layout, "selene", mfu, "mfu", model_flops)
+
+
+def _megatron_core(name, heads, h, layers, tp, pp, batch, tflops) -> PublishedRun:
+    dp = 48
+    layout = Layout(batch, microbatches=batch // dp, dp=dp, tp=tp, pp=pp, zero=1, sp=tp > 1,
+                    precision="bf16", overlap=("dp", "tp", "pp"), flash_attention=True)
+    return PublishedRun(name, "megatron-core", ModelShape(layers, h, heads, 4096, 131072), layout, "h100",
+                        tflops, "tflops", model_flops)
+
+
+def _bloom(name, h, layers, heads, dp, tp, microbatch, tflops) -> PublishedRun:
+    pp, slots = 12, (layers + 2) // 12  # 'type:transformer|embedding': each embedding takes a slot
+    stages = (slots - 1,) + (slots,) * (pp - 2) + (slots - 1,)
+    layout = Layout(2048, microbatches=2048 // (dp * microbatch), dp=dp, tp=tp, pp=pp, zero=1,
+                    recompute="full", precision="bf16", stage_layers=stages)
+    return PublishedRun(name, "bloom", ModelShape(layers, h, heads, 2048, 250880), layout, "jean-zay",
+                        tflops, "tflops", megatron_2021_flops)
+
+
+RUNS = [
+    _megatron_2022("mlm22-22b", 64, 6144, 48, 1, 8, 4, 4, 41.5),
+    _megatron_2022("mlm22-175b", 96, 12288, 96, 8, 64, 64, 1, 51.4),
+    _megatron_2022("mlm22-530b", 128, 20480, 105, 35, 280, 280, 1, 56.0),
+    _megatron_2022("mlm22-1t", 160, 25600, 128, 64, 512, 512, 1, 56.3),
+    # Megatron-Core: (heads, width, blocks, tp, pp, batch, TFLOP/s per GPU); dp 48 on every row
+    _megatron_core("mcore-1.7b", 16, 2048, 24, 1, 1, 192, 408.8),
+    _megatron_core("mcore-7.1b", 32, 4096, 30, 2, 1, 192, 465.9),
+    _megatron_core("mcore-16b", 48, 6144, 32, 4, 1, 192, 489.1),
+    _megatron_core("mcore-32b", 56, 7168, 48, 8, 1, 192, 459.6),
+    _megatron_core("mcore-70b", 64, 8192, 84, 8, 2, 384, 419.7),
+    _megatron_core("mcore-119b", 80, 10240, 92, 8, 4, 768, 420.5),
+    _megatron_core("mcore-177b", 96, 12288, 96, 8, 6, 1152, 432.8),
+    _megatron_core("mcore-314b", 128, 16384, 96, 8, 8, 1536, 474.4),
+    _megatron_core("mcore-462b", 144, 18432, 112, 8, 16, 3072, 459.9),
+    # BLOOM: (width, blocks, heads, dp, tp, micro-batch, TFLOP/s per GPU); pp 12 on every row
+    _bloom("bloom-176b", 14336, 70, 112, 8, 4, 2, 150.05),
+    _bloom("bloom-176b-a64", 14336, 70, 64, 8, 4, 2, 153.68),
+    _bloom("bloom-176b-tp8", 14336, 70, 64, 4, 8, 2, 128.92),
+    _bloom("bloom-176b-b4", 14336, 70, 64, 8, 4, 4, 153.33),
+    _bloom("bloom-178b", 13312, 82, 64, 8, 4, 2, 151.71),
+    _bloom("bloom-195b", 12288, 106, 96, 8, 4, 2, 146.90),
+    PublishedRun("neox-20b", "gpt-neox", ModelShape(44, 6144, 64, 2048, 50432),
+                 Layout(1536, microbatches=32, dp=12, tp=2, pp=4, zero=1, recompute="full", precision="fp16"),
+                 "neox", 117.0, "tflops", neox_flops),
+]
+
+
+def predict(run: PublishedRun) -> dict:
+    """The simulated step of a run, and its figure in the publisher's own formula."""
+    mach = CLUSTERS[run.cluster]()
+    result = simulate_step(run.shape, run.layout, mach)
+    rate = run.flops(run.shape, run.layout.batch_size) / result["step_s"] / run.layout.gpus
+    predicted = rate / 1e12 if run.metric == "tflops" else 100 * rate / mach.peak_flops
+    return {"name": run.name, "kind": run.kind, "gpus": run.layout.gpus, "tp": run.layout.tp,
+            "pp": run.layout.pp, "dp": run.layout.dp, "metric": run.metric, "published": run.published,
+            "predicted": predicted, "error": predicted / run.published - 1,
+            "bubble_fraction": result["bubble_fraction"], "memory_gb": result["memory"]["total"] / 1e9,
+            "fits": result["memory"]["fits"]}
+
+
+def table() -> list[dict]:
+    """Every published run: published against predicted, in the publisher's own formula."""
+    return [predict(run) for run in RUNS]
+
+
+def median_abs_error(rows: list[dict]) -> float:
+    return statistics.median(abs(r["error"]) for r in rows)
