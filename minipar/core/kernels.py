@@ -21,8 +21,9 @@ from collections.abc import Callable
 from minipar.core.hooks import HookList, RemovableHandle
 
 # the kernels core looks up: each call site names its plain form (tensor_ops.Linear, layer_ops.gelu_*,
-# optim.adamw_update)
-KERNELS = ("matmul", "gelu_forward", "gelu_backward", "adamw_update")
+# optim.adamw_update); "linear" is one of Linear's products by its role (FP8 quantizes by role), whose
+# plain form is "matmul"
+KERNELS = ("matmul", "linear", "gelu_forward", "gelu_backward", "adamw_update")
 
 _installed = {name: HookList() for name in KERNELS}
 

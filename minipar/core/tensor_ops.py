@@ -173,7 +173,7 @@ class Linear(Function):
     @staticmethod
     def forward(ctx, x, weight, bias=None):
         ctx.save_for_backward(x)
-        y = linear_product(_rows(x), weight.T)
+        y = linear_product(_rows(x), weight.T, "forward")
         if bias is not None:
             y += bias
         return y if x.ndim == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
@@ -183,15 +183,26 @@ class Linear(Function):
         (x,) = ctx.saved
         weight, bias = _data(ctx.inputs[1]), ctx.inputs[2]
         g2 = _rows(g)
-        gx = _unrows(linear_product(g2, weight), x) if ctx.needs_input_grad[0] else None
-        gw = linear_product(g2.T, _rows(x)) if ctx.needs_input_grad[1] else None
+        gx = _unrows(linear_product(g2, weight, "input_grad"), x) if ctx.needs_input_grad[0] else None
+        gw = linear_product(g2.T, _rows(x), "weight_grad") if ctx.needs_input_grad[1] else None
         gb = g2.sum(axis=0) if bias is not None and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 
 
-def linear_product(a, b):
-    """a @ b of two 2-D arrays, as Linear multiplies: NumPy's `@`, or the form installed for "matmul"
-    (core/kernels.py; speed/blas.py: MKL's gemm with MINIPAR_BLAS=mkl, which rounds in another order)."""
+def linear_product(a, b, role: str):
+    """a @ b of two 2-D arrays, one of Linear's three products (`role`: "forward" x W^T, "input_grad"
+    g W, "weight_grad" g^T x): the form installed for "linear" (core/kernels.py; precision/fp8.py
+    quantizes each operand its own way), else `matrix_product`."""
+    return kernels.chosen("linear", _linear_product_of_role)(a, b, role)
+
+
+def _linear_product_of_role(a, b, role: str):
+    return matrix_product(a, b)
+
+
+def matrix_product(a, b):
+    """a @ b of two 2-D arrays: NumPy's `@`, or the form installed for "matmul" (core/kernels.py;
+    speed/blas.py: MKL's gemm with MINIPAR_BLAS=mkl, which rounds in another order)."""
     return kernels.chosen("matmul", _linear_product_plain)(a, b)
 
 

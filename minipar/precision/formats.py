@@ -8,11 +8,19 @@ What it costs: precision (8 significant bits in bf16, 11 in fp16) and, in fp16, 
 gradients underflow to zero, which is why fp16 training multiplies the loss by a `DynamicLossScaler`.
 Lesson: lessons/09_precision.md.
 
-Conversion rules, the same as PyTorch's and ml_dtypes' for every non-NaN input: float64 input is
+Conversion rules, the same as PyTorch's for every non-NaN input (and ml_dtypes' for float32 input;
+ml_dtypes 0.7 rounds float64 once, 0.6 went through float32 as PyTorch does): float64 input is
 first rounded to float32; round to nearest, ties to even; overflow becomes infinity; subnormals are
 kept, never flushed; the sign of zero is kept. A NaN becomes the quiet NaN with the input's sign and
 an empty payload: bf16 0x7FC0 / 0xFFC0 (bit-for-bit ml_dtypes), fp16 0x7E00 / 0xFE00 (PyTorch's
 scalar rule; NumPy's own float16 cast keeps the top payload bits instead, so we override it).
+
+The two FP8 formats (`round_to_e4m3`, `round_to_e5m2`; Micikevicius et al., "FP8 Formats for Deep
+Learning", 2022) round straight from float32 or float64, never through a 16-bit format (a double
+rounding moves some midpoints), and keep the input's dtype. E4M3 "fn" has no infinity: 448 is its
+largest value and S.1111.111 its only NaN; E5M2 keeps IEEE's inf and NaN, largest 57344. Each rounds
+saturating (clip to +-max first, the hardware's satfinite conversion) or not (beyond max: NaN in
+E4M3, infinity in E5M2). FP8 training itself is precision/fp8.py.
 """
 
 from dataclasses import dataclass
@@ -79,6 +87,59 @@ def round_to_fp16(x) -> np.ndarray:
     return from_fp16_bits(to_fp16_bits(x))
 
 
+@dataclass(frozen=True)
+class FP8Format:
+    """An FP8 format by its definition: mantissa bits, the exponent of its smallest normal binade
+    (below it the spacing stays that binade's: the subnormals), its largest finite value, and what a
+    value beyond it becomes when not saturating."""
+
+    name: str
+    mantissa_bits: int
+    min_normal_exponent: int
+    max_finite: float
+    overflow: float
+
+
+E4M3 = FP8Format("e4m3", 3, -6, 448.0, np.nan)        # 1.75 * 2^8; bias 7, no infinity
+E5M2 = FP8Format("e5m2", 2, -14, 57344.0, np.inf)     # 1.75 * 2^15; bias 15, IEEE's inf and NaN
+
+
+def round_to_fp8(x, fmt: FP8Format, saturate: bool) -> np.ndarray:
+    """The values of `fmt` nearest to `x`, ties to even, in x's dtype (float64 stays float64, any
+    other becomes float32: every FP8 value is exact in both)."""
+    x = np.asarray(x)
+    dtype = np.float64 if x.dtype == np.float64 else np.float32
+    with np.errstate(invalid="ignore"):  # a signalling NaN becomes a quiet one, as it should
+        wide = x.astype(np.float64)  # exact: all the work below is in float64, and exact there too
+    if saturate:  # satfinite: +-inf and everything beyond max become +-max; NaN stays NaN
+        wide = np.clip(wide, -fmt.max_finite, fmt.max_finite)
+    # In the binade [2^e, 2^(e+1)) the format's values are spaced 2^(e - mantissa_bits) apart; below
+    # the smallest normal binade the spacing stays that binade's (the subnormals). Dividing by the
+    # spacing (a power of two: exact) puts the neighbours on consecutive integers, and rint rounds to
+    # the nearest one, ties to even: an even integer is an even mantissa.
+    finite = np.isfinite(wide)
+    _, frexp_exponent = np.frexp(np.where(finite, wide, 1.0))  # |x| in [2^(e-1), 2^e)
+    binade = np.maximum(frexp_exponent - 1, fmt.min_normal_exponent)
+    spacing = np.ldexp(1.0, binade - fmt.mantissa_bits)
+    rounded = np.rint(np.where(finite, wide, 0.0) / spacing) * spacing
+    # a value that rounded past max (or was infinite) overflows: NaN in E4M3, +-inf in E5M2
+    overflow = np.copysign(fmt.overflow, wide)
+    out = np.where(np.abs(rounded) > fmt.max_finite, overflow, rounded)
+    out = np.where(np.isinf(wide), overflow, out)
+    out = np.where(np.isnan(wide), np.nan, out)
+    return out.astype(dtype)
+
+
+def round_to_e4m3(x, saturate: bool = True) -> np.ndarray:
+    """x rounded to FP8 E4M3 (fn: max 448, no inf): saturating to +-448, or NaN beyond it."""
+    return round_to_fp8(x, E4M3, saturate)
+
+
+def round_to_e5m2(x, saturate: bool = True) -> np.ndarray:
+    """x rounded to FP8 E5M2 (max 57344): saturating to +-57344, or +-inf beyond it."""
+    return round_to_fp8(x, E5M2, saturate)
+
+
 _TO_BITS = {"bf16": to_bf16_bits, "fp16": to_fp16_bits}
 _FROM_BITS = {"bf16": from_bf16_bits, "fp16": from_fp16_bits}
 
@@ -128,6 +189,8 @@ PRECISIONS = {
     "fp32": Precision("fp32", np.float32, np.float32, None, 4, False),
     "bf16": Precision("bf16", np.float32, np.float32, round_to_bf16, 2, False),
     "fp16": Precision("fp16", np.float32, np.float32, round_to_fp16, 2, True),
+    # fp8: only the Linear layers' products take FP8 operands (precision/fp8.py); the rest is fp32
+    "fp8": Precision("fp8", np.float32, np.float32, None, 4, False),
 }
 
 

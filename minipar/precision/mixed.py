@@ -177,7 +177,8 @@ def wrap_runner(options: PrecisionOptions, model, runner, updater: Updater):
 @dataclass
 class PrecisionOptions:
     """Number formats (precision/formats.py, precision/mixed.py)."""
-    precision: str = option("fp32", "number format of the arithmetic (bf16, fp16: mixed precision)",
+    precision: str = option("fp32", "number format of the arithmetic (bf16, fp16: mixed precision; fp8: "
+                            "the Linear layers' products, precision/fp8.py)",
                             PRECISIONS)
     loss_scaling: bool = option(True, "fp16: a dynamic loss scaler (precision/mixed.py); False trains "
                                 "without (Python only: no flag)", command_line=False)

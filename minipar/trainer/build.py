@@ -13,7 +13,7 @@ a function of its own, from the techniques in minipar/parallel:
     build_updater    how gradients are combined across replicas: ddp.py, zero.py, zero3.py,
                      zero_chunked.py, or api.py's plain step; and what runs where they are final
                      (fp16's loss scaling, the options that declare a gradient transform)
-    build_engine     the three, wrapped by precision/mixed.py for bf16 and fp16
+    build_engine     the three, wrapped by precision/mixed.py for bf16 and fp16, precision/fp8.py for fp8
 
 Lesson: lessons/07_3d.md.
 """
@@ -34,6 +34,7 @@ from minipar.parallel.tensor_gpt import TensorParallelGPT
 from minipar.parallel.zero import ZeroStage1, ZeroStage2
 from minipar.parallel.zero3 import ZeroStage3
 from minipar.parallel.zero_chunked import build_chunked_zero3
+from minipar.precision import fp8
 from minipar.precision import mixed as mixed_precision
 from minipar.trainer.config import gradient_transforms
 from minipar.trainer.engine import Engine
@@ -162,6 +163,8 @@ def build_engine(cfg, grid) -> Engine:
     # bf16/fp16: 16-bit working weights and activations over the fp32 masters (and, for fp16, the loss
     # scaled by the scale of the loss scaling at the updater's gradients-ready point)
     runner = mixed_precision.wrap_runner(cfg, model, runner, updater)
+    # fp8: the Linear layers' products in FP8, the delayed recipe's amaxes agreed over dp x cp and tp
+    runner = fp8.wrap_runner(cfg, cfg.precision, model, runner, [grid.dp_cp, grid.tp])
     return Engine(cfg, grid, model, runner, updater, loss_scaler_of(updater),
                   routing=routing_of(model) if cfg.model == "moe" else None)
 

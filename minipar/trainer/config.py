@@ -32,6 +32,7 @@ from minipar.parallel.sequence import SequenceOptions
 from minipar.parallel.tensor import TensorOptions
 from minipar.parallel.zero import ZeroOptions
 from minipar.parallel.zero_chunked import ChunkedOptions
+from minipar.precision.fp8 import FP8Options
 from minipar.precision.mixed import PrecisionOptions
 from minipar.trainer.trace import TraceOptions
 
@@ -69,18 +70,24 @@ class RunOptions:
 # The options objects TrainConfig is made of, in the order `minipar train --help` lists them.
 OPTION_GROUPS = (ModelOptions, MoEOptions, DataParallelOptions, TensorOptions, SequenceOptions,
                  PipelineOptions, ContextOptions, ExpertOptions, ZeroOptions, ChunkedOptions,
-                 RecomputeOptions, PrecisionOptions, FusionOptions, OptimizerOptions, ClippingOptions,
-                 BackendOptions, RunOptions, TraceOptions)
+                 RecomputeOptions, PrecisionOptions, FP8Options, FusionOptions, OptimizerOptions,
+                 ClippingOptions, BackendOptions, RunOptions, TraceOptions)
 
 
 # The bases are OPTION_GROUPS backwards: a dataclass takes its bases' fields from the last base to the
 # first, so the fields come in OPTION_GROUPS' order.
 @dataclass
 class TrainConfig(TraceOptions, RunOptions, BackendOptions, ClippingOptions, OptimizerOptions, FusionOptions,
-                  PrecisionOptions, RecomputeOptions, ChunkedOptions, ZeroOptions, ExpertOptions,
+                  FP8Options, PrecisionOptions, RecomputeOptions, ChunkedOptions, ZeroOptions, ExpertOptions,
                   ContextOptions, PipelineOptions, SequenceOptions, TensorOptions, DataParallelOptions,
                   MoEOptions, ModelOptions):
     """Every option of `minipar train`: the techniques' options objects and the run's own."""
+
+    @property
+    def dtype(self) -> str:
+        """The arrays' dtype (PrecisionOptions.dtype), and float64 for fp8 accumulating in fp64."""
+        fp64 = self.precision == "fp64" or (self.precision == "fp8" and self.fp8_accumulate == "fp64")
+        return "float64" if fp64 else "float32"
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -22,7 +22,7 @@ from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend, moe, recompute
 from minipar.parallel import context, experts, pipeline, sequence, tensor, zero_chunked
 from minipar.parallel.schedules import SPLIT_BACKWARD
-from minipar.precision import mixed
+from minipar.precision import fp8, mixed
 from minipar.trainer import trace
 from minipar.trainer.build import build_model, build_optimizer, model_config
 from minipar.trainer.config import TrainConfig, gradient_transforms
@@ -34,7 +34,7 @@ def validate(cfg: TrainConfig, world_size: int) -> list[str]:
     if errors:
         return errors
     errors = _layout(cfg.resolved(world_size), world_size) + mixed.config_errors(cfg, cfg) + _backend(cfg)
-    errors += _combinations(cfg)
+    errors += _fp8(cfg.resolved(world_size)) + _combinations(cfg)
     errors += [e for transform in gradient_transforms() for e in transform.config_errors(cfg)]
     errors = errors or _memory(cfg.resolved(world_size)) or _offload_dir(cfg)
     return errors or _chunked(cfg.resolved(world_size)) or _paths(cfg)
@@ -130,6 +130,14 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
     return errors
 
 
+def _fp8(cfg: TrainConfig) -> list[str]:
+    """fp8.config_errors with the shapes it needs: the Linear widths and weight_grad's tokens."""
+    tokens = cfg.seq_len // (2 * cfg.cp) if cfg.cp > 1 else \
+        cfg.batch_size // (cfg.dp * cfg.microbatches) * cfg.seq_len
+    return fp8.config_errors(cfg, cfg.precision, cfg.model, [cfg.d_model, 4 * cfg.d_model], tokens, cfg.tp,
+                             cfg.backend)
+
+
 def _combinations(cfg: TrainConfig) -> list[str]:
     """Two techniques together that are not built, one line each: only the trainer sees both."""
     rules = [
@@ -149,6 +157,15 @@ def _combinations(cfg: TrainConfig) -> list[str]:
         (cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1 and cfg.recompute == "full",
          f"--schedule {cfg.schedule} with --recompute full: a recomputed block's backward runs as one "
          "operation, so its weight gradients cannot wait for W; use --recompute selective or none"),
+        (cfg.precision == "fp8" and cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1,
+         f"--precision fp8 with --schedule {cfg.schedule}: a weight gradient's product deferred to W "
+         "would run after its layer's FP8 scope has closed; use another schedule"),
+        (cfg.precision == "fp8" and cfg.check_reference and cfg.fp8_accumulate != "fp64",
+         "--check-reference with --precision fp8 needs --fp8-accumulate fp64: with fp32 sums a layout "
+         "can move a value across an FP8 rounding boundary (1/16 of it), and no tolerance is derived"),
+        (cfg.precision == "fp8" and cfg.check_reference and cfg.fp8_recipe == "current",
+         "--check-reference with --fp8-recipe current: each rank scales by its own tensor's amax (as "
+         "Transformer Engine's current scaling), so another layout quantizes differently"),
     ]
     return [message for broken, message in rules if broken]
 

@@ -46,7 +46,7 @@ def hand_written_mlp_step(weights, x, y):
     activations, pre = [x], []
     h = x
     for i, (w, b) in enumerate(weights):
-        z = linear_product(h, w.T) + b
+        z = linear_product(h, w.T, "forward") + b
         pre.append(z)
         h = F.gelu_forward(z) if i < len(weights) - 1 else z
         activations.append(h)
@@ -55,9 +55,9 @@ def hand_written_mlp_step(weights, x, y):
     for i in reversed(range(len(weights))):
         if i < len(weights) - 1:
             g = F.gelu_backward(pre[i], g)
-        grads.append((linear_product(g.T, activations[i]), g.sum(axis=0)))
+        grads.append((linear_product(g.T, activations[i], "weight_grad"), g.sum(axis=0)))
         if i:  # the data needs no gradient, and autograd does not compute one either
-            g = linear_product(g, weights[i][0])
+            g = linear_product(g, weights[i][0], "input_grad")
     return grads
 
 

@@ -135,7 +135,13 @@ def save_plot(path: str, figures: dict, cp: int = 4) -> str:
 
 
 def main(argv) -> int:
-    p = argparse.ArgumentParser(prog="minipar bench context", description=__doc__.split("\n\n")[0])
+    what = ("Runs `minipar train --cp C --dp 1` on C processes for each C of --sizes, on the same model and "
+            "global batch, and prints per cp: tokens/s (median after --warmup), rank 0's activation peak, "
+            "and the bytes per step on the cp ring beside the ring-attention formula.")
+    p = argparse.ArgumentParser(prog="minipar bench context", description=f"{__doc__.splitlines()[0]} {what}",
+                                epilog="Every other option is a `minipar train` option, given to each run: "
+                                       "--seq-len, --batch-size, --n-layer, --d-model, --tp, ... "
+                                       "(lesson 13: lessons/13_context_parallel.md).")
     p.add_argument("--sizes", default="1,2,4", help="the cp values, comma-separated")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="steps of each run left out of the medians")

@@ -10,7 +10,7 @@ median time each step waited on communication (the log's comm_wait_s). To show w
 speed-up goes it also times the ceiling: N independent processes at once, each on B/N samples (what
 N ranks reach when they share the machine but never wait for each other), and one all-reduce of the
 whole gradient on its own: what the communication costs.
-Lesson: lessons/03_data_parallel.md.
+Lessons: lessons/03_data_parallel.md, and 03b_data_parallel_appendix.md (the measured tables).
 
     python -m minipar bench dp [--sizes 1 2] [--steps 20] [--warmup 3] [--repeats 3] [--json] [train options]
 """

@@ -17,7 +17,7 @@ exact arithmetic unchanged, and so shows what the format alone does:
                    scaler only moves the gradients' window), bf16 trains. This is why BLOOM chose bf16.
 
 Prints one table per experiment; `--plot FILE` also saves a PNG when matplotlib is installed.
-Lesson: lessons/09_precision.md.
+Lessons: lessons/09_precision.md (the picture), 09c_precision_appendix.md (the tables).
 
     python -m minipar bench precision [--steps 100] [--batch-size 256] [--divisor-log2 16] [--unit-log2 15]
                                       [--seed 0] [--plot FILE] [--json]

@@ -176,7 +176,9 @@ class LinearProducts:
 
     def minipar(self) -> None:
         for x, w, g in self.layers:
-            linear_product(x, w.T), linear_product(g, w), linear_product(g.T, x)
+            linear_product(x, w.T, "forward")
+            linear_product(g, w, "input_grad")
+            linear_product(g.T, x, "weight_grad")
 
     def torch(self) -> None:
         if self.torch_layers is None:  # round_times' untimed warm-up makes this first call

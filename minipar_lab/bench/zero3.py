@@ -10,7 +10,7 @@ its pages are faulted in again at their next use). A row shows rank 0's median t
 comm_wait_s, its speed against DDP's (the median over rounds of that round's ratio) and the minor
 page faults per step and rank: what the ranks of a run fault (getrusage of the finished children)
 less what a run of only the warm-up steps faults, over the steps between and the ranks.
-Lesson: lessons/04_zero.md.
+Lesson: lessons/04c_zero_appendix.md (the measured table, and the allocator behind it).
 
     python -m minipar bench zero3 [--dp 2] [--batch-size 32] [--steps 20] [--warmup 3] [--rounds 5] [--json]
 """

@@ -42,9 +42,9 @@ def test_precision_from_name(name, compute, master, wire_bytes, loss_scaling):
 
 
 def test_unknown_precision_names_the_choices():
-    with pytest.raises(ValueError, match="unknown precision 'fp8'.*bf16"):
-        Precision.from_name("fp8")
-    assert list(PRECISIONS) == ["fp64", "fp32", "bf16", "fp16"]
+    with pytest.raises(ValueError, match="unknown precision 'fp4'.*bf16"):
+        Precision.from_name("fp4")
+    assert list(PRECISIONS) == ["fp64", "fp32", "bf16", "fp16", "fp8"]
 
 
 # ---- pack_low / unpack_low ---------------------------------------------------------------------
