@@ -32,7 +32,25 @@ WORKING_COPY_TESTS = "tests/precision/test_zero3_working_copy.py"
 COMM_TESTS = ("tests/distributed/test_comm.py", "tests/distributed/test_collectives.py")
 TRACE_TESTS = "tests/trainer/test_trace.py"
 
+PLACEMENT_TESTS = ("tests/parallel/test_placements.py",)
+FSDP_TESTS = ("tests/parallel/test_fsdp.py",)
+
 MUTANTS = [
+    # ---- issue 47: placements on a device mesh, FSDP2 and hybrid sharding ----
+    Mutant("placements-gather-keeps-the-padding", "minipar/parallel/placements.py",
+           "    return xp.moveaxis(gathered[:n], 0, dim)", "    return xp.moveaxis(gathered, 0, dim)",
+           tests=PLACEMENT_TESTS, ranks=(2,)),
+    Mutant("placements-partial-gradient-stays-partial", "minipar/parallel/placements.py",
+           "    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)",
+           "    return tuple(placements)", tests=PLACEMENT_TESTS, ranks=(2,)),
+    Mutant("fsdp-chunk-rounded-down", "minipar/parallel/fsdp.py",
+           "        self.chunk_rows = [-(-rows // comm.size) for rows in self.rows]",
+           "        self.chunk_rows = [max(1, rows // comm.size) for rows in self.rows]",
+           tests=FSDP_TESTS, ranks=(2,)),
+    Mutant("hsdp-shards-not-summed-over-replicas", "minipar/parallel/fsdp.py",
+           "        if self.replicate is not None and self.replicate.size > 1:",
+           "        if self.replicate is not None and self.replicate.size > 2:",
+           tests=FSDP_TESTS, ranks=(4,)),
     # ---- issue 48: the trace of --trace DIR and `minipar trace summary` ----
     Mutant("trace-async-end-on-the-wrong-waits", "minipar/trainer/trace.py",
            "        if pending is not None:\n            self.events.append({\"ph\": \"e\"",

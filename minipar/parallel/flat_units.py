@@ -99,10 +99,10 @@ def unit_tensors(unit: FlatUnit) -> list[tuple]:
     return tensors
 
 
-def units_of(model, comm) -> list[FlatUnit]:
-    """A FlatUnit per unit of the model, in execution order; every parameter must be in one."""
+def units_of(model, comm, unit_type: type[FlatUnit] = FlatUnit) -> list[FlatUnit]:
+    """A FlatUnit (or unit_type) per unit of the model, in execution order; every parameter in one."""
     names = {id(p): name for name, p in model.named_parameters()}
-    units = [FlatUnit(module, [(names[id(p)], p) for p in module.parameters()], comm)
+    units = [unit_type(module, [(names[id(p)], p) for p in module.parameters()], comm)
              for _, module in model.units() if module.parameters()]
     covered = {id(p) for unit in units for p in unit.params}
     missing = [name for i, name in names.items() if i not in covered]

@@ -32,7 +32,13 @@ from minipar.core.options import option
 from minipar.memory.ledger import buffer_meter
 from minipar.memory.planner import STAGES as STAGES  # --zero's choices: 0 (DP), 1-2 here, 3 in zero3.py
 from minipar.parallel.api import Updater
-from minipar.parallel.flat_units import check_replicas_identical, shard_pieces, unit_tensors, units_of
+from minipar.parallel.flat_units import (
+    FlatUnit,
+    check_replicas_identical,
+    shard_pieces,
+    unit_tensors,
+    units_of,
+)
 from minipar.parallel.logical_state import flat_unit_buffer, flat_unit_pieces
 
 
@@ -45,11 +51,13 @@ class ZeroOptions:
 class ZeroStage1(Updater):
     """Updater: optimizer states partitioned; full gradients reduce-scattered at the step."""
 
+    unit_type: type[FlatUnit] = FlatUnit  # how a unit's parameters lie in its buffer (fsdp.py: per parameter)
+
     def __init__(self, model, optimizer, comm):
         check_replicas_identical(model, comm)
         super().__init__(model, optimizer)
         self.comm = comm
-        self.units = units_of(model, comm)
+        self.units = units_of(model, comm, self.unit_type)
         for unit in self.units:
             unit.flat = unit.flatten([p.data for p in unit.params])
             unit.point_params_at(unit.flat)

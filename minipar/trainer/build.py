@@ -26,7 +26,7 @@ from minipar.core import optim
 from minipar.core.moe import MoEConfig, MoEGPT, MoELayer, routing_of
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet, causal_attention
 from minipar.fusion import training as fused_training
-from minipar.parallel import context, experts, pipeline, schedules
+from minipar.parallel import context, experts, fsdp, pipeline, schedules
 from minipar.parallel.api import LocalUpdater, MicrobatchRunner
 from minipar.parallel.ddp import DistributedDataParallel
 from minipar.parallel.sequence import SequenceParallelGPT
@@ -142,6 +142,8 @@ def synchronising_updater(cfg, grid, model):
                                               prefetch=not cfg.no_overlap,
                                               working=mixed_precision.parameter_wire(cfg.precision))
         return experts.ExpertParallelUpdater(model, optimizer_of(model.parameters()), grid.dp, groups)
+    if cfg.fsdp:  # each parameter sharded on dim 0 over dp (or dp_shard, hybrid): parallel/fsdp.py
+        return fsdp.build(cfg, grid, model, optimizer_of([]), prefetch=not cfg.no_overlap)
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
         if cfg.zero == 3:  # prefetching the next unit's parameters unless --no-overlap
             working = mixed_precision.parameter_wire(cfg.precision)  # bf16, fp16: gather the 16-bit copy

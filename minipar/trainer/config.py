@@ -27,6 +27,7 @@ from minipar.parallel.clipping import ClippingOptions
 from minipar.parallel.context import ContextOptions
 from minipar.parallel.ddp import DataParallelOptions
 from minipar.parallel.experts import ExpertOptions
+from minipar.parallel.fsdp import FSDPOptions
 from minipar.parallel.pipeline import PipelineOptions
 from minipar.parallel.sequence import SequenceOptions
 from minipar.parallel.tensor import TensorOptions
@@ -69,7 +70,7 @@ class RunOptions:
 
 # The options objects TrainConfig is made of, in the order `minipar train --help` lists them.
 OPTION_GROUPS = (ModelOptions, MoEOptions, DataParallelOptions, TensorOptions, SequenceOptions,
-                 PipelineOptions, ContextOptions, ExpertOptions, ZeroOptions, ChunkedOptions,
+                 PipelineOptions, ContextOptions, ExpertOptions, ZeroOptions, FSDPOptions, ChunkedOptions,
                  RecomputeOptions, PrecisionOptions, FP8Options, FusionOptions, OptimizerOptions,
                  ClippingOptions, BackendOptions, RunOptions, TraceOptions)
 
@@ -77,10 +78,10 @@ OPTION_GROUPS = (ModelOptions, MoEOptions, DataParallelOptions, TensorOptions, S
 # The bases are OPTION_GROUPS backwards: a dataclass takes its bases' fields from the last base to the
 # first, so the fields come in OPTION_GROUPS' order.
 @dataclass
-class TrainConfig(TraceOptions, RunOptions, BackendOptions, ClippingOptions, OptimizerOptions, FusionOptions,
-                  FP8Options, PrecisionOptions, RecomputeOptions, ChunkedOptions, ZeroOptions, ExpertOptions,
-                  ContextOptions, PipelineOptions, SequenceOptions, TensorOptions, DataParallelOptions,
-                  MoEOptions, ModelOptions):
+class TrainConfig(TraceOptions, RunOptions, BackendOptions, ClippingOptions, OptimizerOptions,
+                  FusionOptions, FP8Options, PrecisionOptions, RecomputeOptions, ChunkedOptions,
+                  FSDPOptions, ZeroOptions, ExpertOptions, ContextOptions, PipelineOptions,
+                  SequenceOptions, TensorOptions, DataParallelOptions, MoEOptions, ModelOptions):
     """Every option of `minipar train`: the techniques' options objects and the run's own."""
 
     @property

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend, moe, recompute
-from minipar.parallel import context, experts, pipeline, sequence, tensor, zero_chunked
+from minipar.parallel import context, experts, fsdp, pipeline, sequence, tensor, zero_chunked
 from minipar.parallel.schedules import SPLIT_BACKWARD
 from minipar.precision import fp8, mixed
 from minipar.trainer import trace
@@ -118,7 +118,8 @@ def _layout(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}")
     errors += (tensor.config_errors(cfg, cfg) + recompute.config_errors(cfg, cfg.model)
                + sequence.config_errors(cfg, cfg, cfg) + context.config_errors(cfg, cfg)
-               + pipeline.config_errors(cfg, cfg) + experts.config_errors(cfg, cfg, cfg, cfg))
+               + pipeline.config_errors(cfg, cfg) + experts.config_errors(cfg, cfg, cfg, cfg)
+               + fsdp.config_errors(cfg, cfg.dp * cfg.cp))
     if cfg.model == "moe":
         errors += moe.config_errors(cfg)
     if cfg.pp > cfg.n_units():
@@ -160,6 +161,15 @@ def _combinations(cfg: TrainConfig) -> list[str]:
         (cfg.precision == "fp8" and cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1,
          f"--precision fp8 with --schedule {cfg.schedule}: a weight gradient's product deferred to W "
          "would run after its layer's FP8 scope has closed; use another schedule"),
+        (cfg.fsdp and cfg.zero > 0,
+         f"--fsdp with --zero {cfg.zero}: both shard the model states over dp; choose one"),
+        (cfg.fsdp and (cfg.chunked or cfg.ep > 1),
+         "--fsdp with chunked ZeRO-3 (--offload, --chunk-mb, --device-mem-mb) or --ep is not built"),
+        (cfg.fsdp and cfg.precision not in ("fp64", "fp32"),
+         f"--fsdp with --precision {cfg.precision} is not built: it runs in fp64 or fp32"),
+        (cfg.fsdp and cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1,
+         f"--schedule {cfg.schedule} with --fsdp: FSDP would have to gather the parameters again for each "
+         "W step"),
         (cfg.precision == "fp8" and cfg.check_reference and cfg.fp8_accumulate != "fp64",
          "--check-reference with --precision fp8 needs --fp8-accumulate fp64: with fp32 sums a layout "
          "can move a value across an FP8 rounding boundary (1/16 of it), and no tolerance is derived"),

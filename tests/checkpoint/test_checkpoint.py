@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from mpi4py import MPI
-from mpi_harness import at_world_size, mpi_given
+from mpi_harness import at_world_size, mpi_given, mpi_test, needs_world_size
 from one_process import assert_trains_like_one_process
 
 from minipar.checkpoint.sharded import CheckpointError
@@ -196,7 +196,8 @@ def divisors(n: int) -> list[int]:
 BUDGET = {1: 0.45, 2: 0.25, 4: 0.15, 8: 0.1}
 CHUNKING = {"": lambda ranks: {}, "chunks": lambda ranks: dict(chunk_mb=0.01),
             "cpu": lambda ranks: dict(offload="cpu", device_mem_mb=BUDGET[ranks]),
-            "disk": lambda ranks: dict(offload="disk", device_mem_mb=BUDGET[ranks])}
+            "disk": lambda ranks: dict(offload="disk", device_mem_mb=BUDGET[ranks]),
+            "fsdp": lambda ranks: dict(fsdp=True)}  # per-parameter sharding (fsdp.py): not a chunking
 
 
 def layouts(world_size: int) -> list[tuple]:
@@ -207,7 +208,7 @@ def layouts(world_size: int) -> list[tuple]:
             for pp in divisors(ranks // tp):
                 for zero in (0, 1, 2, 3):
                     for microbatches in (1, 2):
-                        for chunking in CHUNKING if zero == 3 else [""]:
+                        for chunking in [c for c in CHUNKING if c != "fsdp"] if zero == 3 else [""]:
                             layout = (ranks, ranks // (tp * pp), tp, pp, zero, microbatches, chunking)
                             if not validate(configured(TINY, layout), ranks):
                                 found.append(layout)
@@ -270,6 +271,20 @@ def resumes_like_one_process(saved: tuple, resumed: tuple, saved_at: int, seed: 
     finally:  # no collective here: a rank that failed must reach the harness, which ends the job
         if WORLD.rank == 0:
             shutil.rmtree(directory)
+
+
+# A save resumed in FSDP (2 ranks), and an FSDP save where FSDP shards dim 0 of the column-parallel
+# weights that tp already cut on dim 0, resumed in FSDP without tp (4 ranks)
+FSDP_CASES = [((2, 1, 1, 2, 0, 2, ""), (2, 2, 1, 1, 0, 1, "fsdp")),
+              ((4, 2, 2, 1, 0, 1, "fsdp"), (2, 2, 1, 1, 0, 1, "fsdp"))]
+
+
+@needs_world_size(2, 4)
+@pytest.mark.parametrize("saved, resumed", [case for case in FSDP_CASES
+                                            if WORLD.size == max(case[0][0], case[1][0])])
+@mpi_test
+def test_fsdp_checkpoints_reshard_like_every_other(saved, resumed):
+    resumes_like_one_process(saved, resumed, saved_at=1, seed=7)
 
 
 SAME_WORLD = [(layout, precision) for layout in LAYOUTS if layout[0] == WORLD.size

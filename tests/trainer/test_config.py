@@ -45,6 +45,8 @@ FLAGS = {
     "--cp": (1, None, int),
     "--ep": (1, None, int),
     "--zero": (0, (0, 1, 2, 3), int),
+    "--fsdp": (False, None, SWITCH),
+    "--dp-replicate": (1, None, int),
     "--offload": ("none", ("none", "cpu", "disk"), str),
     "--device-mem-mb": (None, None, budget_mb),  # MiB, or auto
     "--chunk-mb": (None, None, float),
@@ -187,6 +189,19 @@ def test_bad_flags_exit_2_with_one_line(argv, names, capsys):
 def test_validate_refuses_what_the_parser_would(changes, message):
     """Configurations built in Python skip argparse: validate checks the same choices, in one line."""
     assert validate(TrainConfig(**changes, dp=1), 1) == [message]
+
+
+@pytest.mark.parametrize("changes, world, message", [
+    ({"fsdp": True, "zero": 3, "dp": 2}, 2,
+     "--fsdp with --zero 3: both shard the model states over dp; choose one"),
+    ({"dp_replicate": 2, "dp": 2}, 2, "--dp-replicate 2 needs --fsdp (hybrid sharding shards with FSDP)"),
+    ({"fsdp": True, "dp_replicate": 3, "dp": 4}, 4, "--dp-replicate 3 does not divide --dp 4"),
+    ({"fsdp": True, "dp_replicate": 0, "dp": 2}, 2, "--dp-replicate must be at least 1, got 0"),
+    ({"fsdp": True, "precision": "bf16", "dp": 2}, 2,
+     "--fsdp with --precision bf16 is not built: it runs in fp64 or fp32"),
+])
+def test_fsdp_combinations_are_refused_in_one_line(changes, world, message):
+    assert validate(TrainConfig(**changes), world) == [message]
 
 
 def test_every_choice_is_one_its_technique_runs():

@@ -1,0 +1,285 @@
+"""Placements on a device mesh: one vocabulary for every way a tensor is spread over ranks.
+
+The idea (PyTorch's DTensor, torchtitan, FSDP2; JAX's shardings say the same): name the parallel
+dimensions of the process grid (a `DeviceMesh`: "dp", "pp", "tp", or "dp_replicate" and "dp_shard"
+for hybrid sharding), and give every tensor one placement per mesh dimension:
+
+    Shard(d)     the ranks of that dimension each hold a chunk of tensor dim d (torch.chunk's cut:
+                 ceil(n/N) rows each, the last ones shorter or empty)
+    Replicate()  each rank holds the whole tensor
+    Partial()    each rank holds a summand: the tensor is the sum over the dimension's ranks
+
+A `ShardedArray` is a local piece (a Tensor), the global shape and the placements. Changing the
+placement on a dimension is a collective, and `redistribute` picks it, one mesh dimension at a time:
+
+    Shard(d)  -> Replicate   all-gather            Partial  -> Replicate   all-reduce
+    Partial   -> Shard(d)    reduce-scatter        Shard(i) -> Shard(j)    all-to-all
+    Replicate -> Shard(d)    a local chunk         Replicate -> Partial    local (rank 0 keeps it,
+    Shard(d)  -> Partial     local (zeros around)                          the others hold zeros)
+
+It is differentiable as DTensor's redistribute: the gradient is redistributed from its own
+placements back to the input's (an input that was Partial gets a Replicate gradient). The gradient
+of a gathered weight that each rank used on its own data is Partial: it goes back by reduce-scatter
+(FSDP's gradient); one that every rank holds whole (Replicate) is cut locally: no bytes.
+DTensor's Replicate -> Partial divides by N on every rank; here rank 0 keeps the value, exact for
+any N in floating point.
+
+Uneven shards are padded for the collectives to ceil(n/N) rows, as FSDP2 pads dim 0: the padding
+goes over the wire and is charged on the ledger (the all-gather of a Shard(0) tensor of n rows costs
+(N-1)·ceil(n/N) rows per rank), and the local pieces themselves hold no padding. A tensor dim is
+sharded by at most one mesh dimension here (DTensor's strided shard, tp and FSDP on the same dim, is
+not built in redistribute). `tensor_parallel_mlp` writes Megatron's MLP (tensor.py) in placements.
+What it saves or costs: nothing of its own; each collective is charged to its mesh dimension's
+communicator. Lesson: lessons/04b_placements.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minipar.core import functional as F
+from minipar.core.autograd import Function, Tensor
+from minipar.core.backend import xp_of
+from minipar.core.shards import padded_bounds, padded_numel
+from minipar.distributed import collectives
+from minipar.distributed.communicator import Comm
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The ranks of a mesh dimension each hold a chunk of tensor dim `dim`."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank of a mesh dimension holds the whole tensor."""
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Every rank of a mesh dimension holds a summand; the tensor is their sum."""
+
+
+Placement = Shard | Replicate | Partial
+
+
+class DeviceMesh:
+    """Named mesh dimensions, each a communicator (its name is the ledger's dimension)."""
+
+    def __init__(self, dims: dict[str, Comm]):
+        self.dims = dict(dims)
+        self.names = list(self.dims)
+
+    @classmethod
+    def from_grid(cls, grid, replicate: int = 1) -> DeviceMesh:
+        """The process grid's dimensions (dp, pp, tp; cp when used). With replicate R > 1 the
+        data-parallel dimension (dp·cp) is factored as (dp_replicate R, dp_shard S), shard innermost."""
+        dims: dict[str, Comm] = {}
+        if replicate > 1:
+            dims["dp_replicate"], dims["dp_shard"] = factor_data_parallel(grid.dp_cp, replicate)
+        else:
+            dims["dp"] = grid.dp_cp
+        dims.update(pp=grid.pp, tp=grid.tp)
+        return cls(dims)
+
+    def size(self, name: str) -> int:
+        return self.dims[name].size
+
+    def __repr__(self) -> str:
+        return "DeviceMesh(" + ", ".join(f"{n}={c.size}" for n, c in self.dims.items()) + ")"
+
+
+def factor_data_parallel(dp: Comm, replicate: int) -> tuple[Comm, Comm]:
+    """dp's N ranks as (replicate R, shard S = N/R), shard innermost: dp rank i is replica i // S,
+    shard i % S, so consecutive ranks (one node) share a shard group and replicas are nodes apart."""
+    if replicate < 1 or dp.size % replicate:
+        raise ValueError(f"--dp-replicate {replicate} does not divide the {dp.size} data-parallel ranks")
+    shards = dp.size // replicate
+    nodes = dp.nodes
+    replica, shard = divmod(dp.rank, shards)
+    key = (replicate, shards)
+    shard_comm = dp.split(color=replica, key=shard, name="dp_shard", reuse=key,
+                          nodes=None if nodes is None else nodes[replica * shards:(replica + 1) * shards])
+    replica_comm = dp.split(color=shard, key=replica, name="dp_replicate", reuse=key,
+                            nodes=None if nodes is None else nodes[shard::shards])
+    return replica_comm, shard_comm
+
+
+def chunk_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of chunk `index` of n rows cut as torch.chunk cuts: ceil(n/parts) rows each."""
+    start, stop = padded_bounds(n, parts, index)
+    return min(start, n), min(stop, n)
+
+
+def _take(a, dim: int, start: int, stop: int):
+    index = [slice(None)] * a.ndim
+    index[dim] = slice(start, stop)
+    return a[tuple(index)]
+
+
+def _pad_rows(a, dim: int, rows: int):
+    """a with zero rows appended along dim up to `rows`."""
+    missing = rows - a.shape[dim]
+    if missing == 0:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[dim] = (0, missing)
+    return xp_of(a).pad(a, widths)
+
+
+def _gather(a, comm: Comm, dim: int, n: int):
+    """Shard(dim) -> Replicate: all-gather the padded chunks, drop the padding."""
+    xp, per = xp_of(a), padded_numel(n, comm.size) // comm.size
+    front = xp.ascontiguousarray(xp.moveaxis(_pad_rows(a, dim, per), dim, 0))
+    gathered = comm.all_gather(front, numel=front.size * comm.size).reshape(comm.size * per, *front.shape[1:])
+    return xp.moveaxis(gathered[:n], 0, dim)
+
+
+def _reduce_scatter(a, comm: Comm, dim: int):
+    """Partial -> Shard(dim): reduce-scatter over padded chunks, keep this rank's rows."""
+    xp, n = xp_of(a), a.shape[dim]
+    per = padded_numel(n, comm.size) // comm.size
+    front = xp.ascontiguousarray(xp.moveaxis(_pad_rows(a, dim, per * comm.size), dim, 0))
+    mine = comm.reduce_scatter(front).reshape(per, *front.shape[1:])
+    start, stop = chunk_bounds(n, comm.size, comm.rank)
+    return xp.moveaxis(mine[: stop - start], 0, dim)
+
+
+def _all_to_all(a, comm: Comm, source: int, target: int, sizes: tuple):
+    """Shard(source) -> Shard(target): block s (this rank's rows of source, chunk s of target, both
+    padded) goes to rank s; the blocks received are stacked along source."""
+    xp, parts = xp_of(a), comm.size
+    per_source = padded_numel(sizes[source], parts) // parts
+    per_target = padded_numel(sizes[target], parts) // parts
+    padded = _pad_rows(_pad_rows(a, source, per_source), target, per_target * parts)
+    blocks = xp.stack([_take(padded, target, s * per_target, (s + 1) * per_target) for s in range(parts)])
+    received = collectives.all_to_all(comm, blocks)
+    whole = xp.concatenate(list(received), axis=source)[
+        tuple(slice(0, sizes[source]) if d == source else slice(None) for d in range(a.ndim))]
+    start, stop = chunk_bounds(sizes[target], parts, comm.rank)
+    return _take(whole, target, 0, stop - start)
+
+
+def _local_sizes(global_shape: tuple, mesh: DeviceMesh, placements: tuple) -> list[int]:
+    """The sizes of each tensor dim that a mesh dimension cuts: the global ones (one cut per dim)."""
+    sharded = [p.dim for p in placements if isinstance(p, Shard)]
+    if len(sharded) != len(set(sharded)):
+        raise ValueError(f"placements {placements}: a tensor dim sharded by two mesh dimensions "
+                         "(DTensor's strided shard) is not supported")
+    return list(global_shape)
+
+
+def change_placement(a, comm: Comm, now: Placement, to: Placement, global_shape: tuple):
+    """The local piece after one mesh dimension goes from `now` to `to`: the collective or local step."""
+    xp = xp_of(a)
+    if now == to:
+        return a
+    if isinstance(now, Shard) and isinstance(to, Shard):
+        return _all_to_all(a, comm, now.dim, to.dim, global_shape)
+    if isinstance(now, Shard):  # to Replicate, or to Partial through a zero-padded whole
+        whole = _gather(a, comm, now.dim, global_shape[now.dim]) if isinstance(to, Replicate) else None
+        if whole is None:
+            start, _ = chunk_bounds(global_shape[now.dim], comm.size, comm.rank)
+            shape = list(a.shape)
+            shape[now.dim] = global_shape[now.dim]
+            whole = xp.zeros(shape, dtype=a.dtype)
+            _take(whole, now.dim, start, start + a.shape[now.dim])[...] = a
+        return whole
+    if isinstance(now, Partial):
+        if isinstance(to, Replicate):
+            return comm.all_reduce(a)
+        assert isinstance(to, Shard)
+        return _reduce_scatter(a, comm, to.dim)
+    if isinstance(to, Shard):  # Replicate -> Shard: this rank's chunk, no communication
+        return xp.ascontiguousarray(_take(a, to.dim, *chunk_bounds(a.shape[to.dim], comm.size, comm.rank)))
+    return a.copy() if comm.rank == 0 else xp.zeros_like(a)  # Replicate -> Partial
+
+
+def redistribute_local(a, mesh: DeviceMesh, global_shape: tuple, now: tuple, to: tuple):
+    """The local piece of a tensor whose placements go from `now` to `to`, one mesh dim at a time."""
+    _local_sizes(global_shape, mesh, now)
+    _local_sizes(global_shape, mesh, to)
+    placements = list(now)
+    for i, name in enumerate(mesh.names):
+        if placements[i] != to[i]:
+            placements[i] = to[i]
+            _local_sizes(global_shape, mesh, tuple(placements))  # the steps between stay supported
+            a = change_placement(a, mesh.dims[name], now[i], to[i], global_shape)
+    return a
+
+
+def gradient_placements(placements: tuple) -> tuple:
+    """A tensor's gradient placements by default: its own, with Partial made Replicate (the gradient
+    of a sum of summands is the same for every summand)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+class Redistribute(Function):
+    """Forward: the local piece in the new placements. Backward: the gradient, which arrives in
+    `grad_placements`, goes back to the input's gradient placements."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, global_shape, now, to, grad_placements):
+        ctx.mesh, ctx.global_shape, ctx.now, ctx.grad_placements = mesh, global_shape, now, grad_placements
+        return redistribute_local(local, mesh, global_shape, now, to)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = redistribute_local(grad, ctx.mesh, ctx.global_shape, ctx.grad_placements,
+                                  gradient_placements(ctx.now))
+        return back, None, None, None, None, None
+
+
+@dataclass
+class ShardedArray:
+    """A tensor spread over a mesh: this rank's local piece, the global shape and one placement per
+    mesh dimension (DTensor)."""
+
+    local: Tensor
+    global_shape: tuple
+    placements: tuple
+    mesh: DeviceMesh
+
+    def redistribute(self, placements, grad_placements=None) -> ShardedArray:
+        """The same tensor in new placements (a collective where one is needed); differentiable.
+        grad_placements: how the gradient of the result arrives (default: the new placements, Partial
+        made Replicate); Partial when each rank uses the result on its own data."""
+        placements = tuple(placements)
+        grads = gradient_placements(placements) if grad_placements is None else tuple(grad_placements)
+        local = Redistribute.apply(self.local, self.mesh, self.global_shape, self.placements, placements,
+                                   grads)
+        return ShardedArray(local, self.global_shape, placements, self.mesh)
+
+    def full(self):
+        """The whole tensor on every rank (a collective unless already Replicate everywhere)."""
+        every = tuple(Replicate() for _ in self.placements)
+        return redistribute_local(self.local.data, self.mesh, self.global_shape, self.placements, every)
+
+
+def distribute(full, mesh: DeviceMesh, placements, requires_grad: bool = False) -> ShardedArray:
+    """A whole tensor, held alike on every rank, cut to this rank's piece (DTensor's distribute_tensor;
+    Partial: rank 0 of that dimension holds it, the others zeros). No communication."""
+    placements = tuple(placements)
+    every = tuple(Replicate() for _ in placements)
+    local = redistribute_local(np.asarray(full), mesh, tuple(full.shape), every, placements)
+    return ShardedArray(Tensor(local, requires_grad), tuple(full.shape), placements, mesh)
+
+
+def tensor_parallel_mlp(x: Tensor, fc, proj, mesh: DeviceMesh) -> Tensor:
+    """Megatron's MLP (tensor.py's ParallelMLP) in placements, on a mesh with a "tp" dimension: the fc
+    weight is Shard(0) (column-parallel), the proj weight Shard(1) (row-parallel), and the input
+    Replicate. Megatron's f is a Replicate -> Replicate redistribute whose gradient arrives Partial
+    (each rank's hidden columns give a summand of it): all-reduce backward. Its g is Partial ->
+    Replicate: all-reduce forward, and a Replicate gradient that goes back for free."""
+    shape = tuple(x.shape)
+    whole = ShardedArray(x, shape, (Replicate(),), mesh)
+    copied = whole.redistribute((Replicate(),), grad_placements=(Partial(),))  # f
+    hidden = F.gelu(F.linear(copied.local, fc.weight, fc.bias))  # Shard(-1): this rank's columns
+    out_shape = shape[:-1] + (proj.weight.shape[0],)
+    partial = ShardedArray(F.linear(hidden, proj.weight), out_shape, (Partial(),), mesh)
+    summed = partial.redistribute((Replicate(),))  # g
+    return summed.local + proj.bias
