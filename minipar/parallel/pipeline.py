@@ -4,8 +4,8 @@ The idea: stage s holds a contiguous run of the model's units (embedding, blocks
 else. A forward receives the activation from stage s-1, runs the stage and sends its output to s+1;
 a backward receives the output's gradient from s+1, back-propagates through the stage and sends the
 input's gradient to s-1. The last stage owns the loss. Which micro-batch each rank works on, and in
-what order, is the schedule (naive, GPipe, 1F1B, interleaved, ZB-H1): data from `schedules.py`, run
-here by one executor.
+what order, is the schedule (naive, GPipe, 1F1B, interleaved, ZB-H1, ZB-V): data from `schedules.py`,
+run here by one executor.
 
 What it saves: each rank holds only its stage's parameters, gradients and optimizer state (about 1/K).
 What it costs: one point-to-point message of a (micro-batch, T, d_model) activation per stage boundary
@@ -14,7 +14,9 @@ and micro-batch in each direction, and the bubble: with M micro-batches a stage 
 The interleaved schedule gives each rank V chunks (`build_stage(..., virtual_stages=V)`): the bubble
 drops to (K-1)/(VM+K-1) for V times the messages; ZB-H1 splits each backward into B (sent on at once)
 and W (the weight gradients, run later by the autograd engine's deferred calls) to fill the drain.
-Lesson: lessons/06_pipeline.md.
+ZB-V gives each rank two chunks placed as a V (rank s: virtual stages s and 2K-1-s), so the loss is
+computed on rank 0 and the forward turns back on rank K-1 without a message.
+Lessons: lessons/06_pipeline.md, lessons/06b_pipeline_schedules.md.
 """
 
 from __future__ import annotations
@@ -35,7 +37,18 @@ from minipar.core.hooks import HookList, RemovableHandle
 from minipar.core.nn import ModelOptions, Module
 from minipar.core.options import option
 from minipar.parallel.api import Runner, count_correct, split_scored
-from minipar.parallel.schedules import SCHEDULES, Action, build_schedule, check_schedule, splits_backward
+from minipar.parallel.schedules import (
+    SCHEDULES,
+    V_SHAPED,
+    Action,
+    build_schedule,
+    check_schedule,
+    chunks_of,
+    placement_of,
+    rank_and_chunk,
+    splits_backward,
+    virtual_stage,
+)
 
 if TYPE_CHECKING:  # only for annotations: the pipeline talks to MPI through Comm
     from mpi4py import MPI
@@ -123,26 +136,41 @@ def without_units(model):
     return shell
 
 
-def build_stage(model, stages: int, stage: int, virtual_stages: int = 1) -> PipelineStage:
+def build_stage(model, stages: int, stage: int, virtual_stages: int = 1, placement: str = "loop"
+                ) -> PipelineStage:
     """Keep this stage's units of `model` (the others are dropped with it); parameters keep their names.
 
     With V virtual stages the units are cut into K·V balanced runs and rank s keeps runs s, K+s, ...
-    (round-robin, Megatron's assignment), so the first and the last run sit on ranks 0 and K-1."""
+    (round-robin, Megatron's assignment), so the first and the last run sit on ranks 0 and K-1. In
+    the V placement (`placement` "v", two chunks) rank s keeps runs s and 2K-1-s: the last is on rank 0."""
     bounds = partition([unit_cost(unit) for _, unit in model.units()], stages * virtual_stages)
-    chunks = [bounds[chunk * stages + stage] for chunk in range(virtual_stages)]
-    return PipelineStage(model, chunks, is_last=stage == stages - 1)
+    chunks = [bounds[virtual_stage(stage, chunk, stages, placement)] for chunk in range(virtual_stages)]
+    last_rank = 0 if placement == "v" else stages - 1
+    return PipelineStage(model, chunks, is_last=stage == last_rank)
 
 
-def bubble_formula(stages: int, microbatches: int, virtual_stages: int = 1, split_backward: bool = False
-                   ) -> Fraction:
+def bubble_formula(stages: int, microbatches: int, virtual_stages: int = 1, split_backward: bool = False,
+                   overlapped: bool = False) -> Fraction:
     """The idle share of a pipeline of equal stages: (K-1)/(M+K-1); with V chunks per rank
-    (K-1)/(VM+K-1); with the backward split (ZB-H1, F = B = W, M >= K) (K-1)/(3M+K-1)."""
+    (K-1)/(VM+K-1); with the backward split (ZB-H1, F = B = W, M >= K) (K-1)/(3M+K-1); with both
+    (ZB-V: two chunks as a V, M >= 2K-1) (K-1)/(6M+K-1). DualPipeV (`overlapped`), F = B = W a chunk
+    and an F&B costing F + B + W: the DualPipe README's (K-1)(F&B + B - 3W) = 2(K-1) chunk units over
+    6M of work a rank, (K-1)/(3M+K-1)."""
+    if overlapped:
+        return Fraction(stages - 1, 3 * microbatches + stages - 1)
+    if split_backward and virtual_stages == 2:
+        return Fraction(stages - 1, 6 * microbatches + stages - 1)
     if split_backward:
         return Fraction(stages - 1, 3 * microbatches + stages - 1)
     return Fraction(stages - 1, virtual_stages * microbatches + stages - 1)
 
 
 SCHEDULE = "schedule"  # the action hooks' label of a stage's whole schedule in one step
+
+
+def loss_rank(schedule: str, stages: int) -> int:
+    """The pipeline rank that holds the last virtual stage, and so the loss: 0 in a V, else K-1."""
+    return 0 if placement_of(schedule) == "v" else stages - 1
 
 
 class PipelineRunner(Runner):
@@ -171,7 +199,8 @@ class PipelineRunner(Runner):
         self.stages, self.rank = comm.size, comm.rank
         schedule_table = build_schedule(schedule, self.stages, microbatches, virtual_stages)
         self.microbatches = check_schedule(schedule_table)  # naive runs one, whatever was asked
-        self.virtual_stages = virtual_stages
+        self.virtual_stages = chunks_of(schedule, virtual_stages)
+        self.placement, self.schedule = placement_of(schedule), schedule
         self.split_backward = splits_backward(schedule_table)
         self.actions = schedule_table[self.rank]
         self.width, self.dtype = width, dtype
@@ -179,9 +208,13 @@ class PipelineRunner(Runner):
         self.in_flight: dict[tuple, tuple] = {}  # (micro-batch, chunk) -> (stage input, output), to B
         self.deferred: dict[tuple, list] = {}  # (micro-batch, chunk) -> weight-gradient work, B to W
         self.pending_sends: list[MPI.Request] = []  # this step's sends not yet known to be complete
+        self.turn: dict[int, object] = {}  # tag -> array handed from chunk 0 to chunk 1 on this rank
+        self.peak_held = 0  # this step's most (micro-batch, chunk) pairs held, from F to B (or to W)
+        # F&B steps: [label, receives posted, backward's receive waited, whether it was posted (None: none)]
+        self.overlaps: list[list] = []
         self.loss_sum = 0.0
         self.correct = 0  # this step's right predictions among the scored ones (last stage)
-        self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
+        self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
         self.action_times: list[list] = []  # this step's [label, start, stop], seconds from step_started
         self.step_started = 0.0
         self.last_timing: dict = {}
@@ -207,8 +240,12 @@ class PipelineRunner(Runner):
         return self.rank == self.stages - 1
 
     def virtual(self, action: Action) -> int:
-        """The virtual stage of `action` on this rank: chunk·K + rank."""
-        return (action.chunk or 0) * self.stages + self.rank
+        """The virtual stage of `action` on this rank: chunk·K + rank (in the V: rank or 2K-1-rank)."""
+        return virtual_stage(self.rank, action.chunk, self.stages, self.placement)
+
+    def rank_of(self, virtual: int) -> int:
+        """The pipeline rank that holds virtual stage `virtual`."""
+        return rank_and_chunk(virtual, self.stages, self.virtual_stages, self.placement)[0]
 
     def tag(self, microbatch: int, boundary: int, backward: bool) -> int:
         """A message's tag: the boundary between virtual stages `boundary` and `boundary`+1, and the way."""
@@ -220,28 +257,47 @@ class PipelineRunner(Runner):
         ys = np.array_split(targets, self.microbatches)
         scored_pieces = split_scored(scored, self.microbatches)
         self.in_flight, self.deferred, self.pending_sends, self.loss_sum = {}, {}, [], 0.0
+        self.turn = {}
+        self.peak_held = 0
+        self.overlaps = []
         self.correct = 0
         self.received_early = 0
-        self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0}
+        self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
         self.action_times = []
         self.comm.barrier()  # the stages start together, to within the barrier's exit (record_timing)
         started = self.step_started = time.perf_counter()
         for k, action in enumerate(self.actions):
             if self.early_receives and k + 1 < len(self.actions):
                 self.post_receive(self.actions[k + 1], xs)
-            if action.op == "F":
-                i = action.microbatch
-                self.forward(action, xs[i], ys[i], scored_pieces[i], normaliser)
-            elif action.op == "B":
-                self.backward(action)
-            else:
-                self.weight_gradients(action)
+            self.run_action(action, xs, ys, scored_pieces, normaliser)
         for request in self.pending_sends:
             self.comm.wait(request, "send")
         stopped = time.perf_counter()
         self.action_hooks.call_all(SCHEDULE, started, stopped)
         self.record_timing(stopped - started)
         return self.loss_sum
+
+    def run_action(self, action: Action, xs, ys, scored_pieces, normaliser: int) -> None:
+        """One step of the schedule. An F&B (DualPipeV) posts the receives of both its parts before
+        either computes (unless --no-overlap), so the forward's input and the backward's gradient travel
+        together, and the forward's output is sent (not waited for) while the backward computes."""
+        if action.op == "F&B" and action.backward is not None:
+            if self.early_receives:  # --no-overlap: the two parts one after the other, as a baseline
+                self.post_receive(action, xs)
+            posted = time.perf_counter() - self.step_started
+            wanted = self.receive_of(action.backward.parts()[0], xs)  # None: the loss's chunk starts it
+            in_flight = None if wanted is None or wanted[1] == self.rank else wanted[1:] in self.posted
+            self.run_action(Action("F", action.microbatch, action.chunk), xs, ys, scored_pieces, normaliser)
+            waited = time.perf_counter() - self.step_started  # the backward's receive is waited from here
+            self.run_action(action.backward, xs, ys, scored_pieces, normaliser)
+            self.overlaps.append([str(action), posted, waited, in_flight])
+        elif action.op == "F":
+            i = action.microbatch
+            self.forward(action, xs[i], ys[i], scored_pieces[i], normaliser)
+        elif action.op in ("B", "BW"):
+            self.backward(action)
+        else:
+            self.weight_gradients(action)
 
     def correct_count(self) -> int | None:
         return self.correct  # 0 but on the last stage, like the loss
@@ -252,7 +308,7 @@ class PipelineRunner(Runner):
         if v == 0:
             stage_input = be.from_host(x)
         else:
-            received = self.receive(self.activation_shape(x), (v - 1) % self.stages,
+            received = self.receive(self.activation_shape(x), self.rank_of(v - 1),
                                     self.tag(i, v - 1, backward=False))
             stage_input = Tensor(received, requires_grad=True)
         with self.computing(action):
@@ -262,43 +318,48 @@ class PipelineRunner(Runner):
                 self.loss_sum += output.item()
                 self.correct += count_correct(correct, scored)
         if not last:
-            self.send(output.data, (v + 1) % self.stages, tag=self.tag(i, v, backward=False))
+            self.send(output.data, self.rank_of(v + 1), tag=self.tag(i, v, backward=False))
         self.in_flight[i, action.chunk] = (stage_input, output)
+        self.peak_held = max(self.peak_held, len(self.in_flight) + len(self.deferred))
 
     def backward(self, action: Action):
         i, v = action.microbatch, self.virtual(action)
         stage_input, output = self.in_flight.pop((i, action.chunk))
         grad = None
         if v != self.stages * self.virtual_stages - 1:
-            grad = self.receive(output.shape, (v + 1) % self.stages, self.tag(i, v, backward=True))
+            grad = self.receive(output.shape, self.rank_of(v + 1), self.tag(i, v, backward=True))
         with self.computing(action):
-            if self.split_backward:  # the input gradient now; the weights' gradients wait for W
+            if action.op == "B" and self.split_backward:  # the input gradient now; W waits
                 deferred: list = []
                 self.deferred[i, action.chunk] = deferred
                 output.backward(grad, defer_weight_grads=deferred)
             else:
                 output.backward(grad)
         if v != 0:
-            self.send(stage_input.grad, (v - 1) % self.stages, tag=self.tag(i, v - 1, backward=True))
+            self.send(stage_input.grad, self.rank_of(v - 1), tag=self.tag(i, v - 1, backward=True))
 
     def receive_of(self, action: Action, xs) -> tuple | None:
         """(shape, source, tag) of the message `action` receives, or None: F receives the previous
         virtual stage's activations, B the next one's gradient of them (the same shape)."""
         i, v = action.microbatch, self.virtual(action)
         if action.op == "F" and v != 0:
-            return self.activation_shape(xs[i]), (v - 1) % self.stages, self.tag(i, v - 1, backward=False)
+            return self.activation_shape(xs[i]), self.rank_of(v - 1), self.tag(i, v - 1, backward=False)
         if action.op == "B" and v != self.stages * self.virtual_stages - 1:
-            return self.activation_shape(xs[i]), (v + 1) % self.stages, self.tag(i, v, backward=True)
+            return self.activation_shape(xs[i]), self.rank_of(v + 1), self.tag(i, v, backward=True)
         return None
 
     def post_receive(self, action: Action, xs) -> None:
-        wanted = self.receive_of(action, xs)
-        if wanted is not None:
-            shape, source, tag = wanted
-            self.posted[source, tag] = self.comm.irecv(shape, self.dtype, source, tag=tag)
+        """Post the receives `action` (each part of an F&B) will wait for, unless already posted."""
+        for part in action.parts():
+            wanted = self.receive_of(part, xs)
+            if wanted is not None and wanted[1] != self.rank and wanted[1:] not in self.posted:
+                shape, source, tag = wanted
+                self.posted[source, tag] = self.comm.irecv(shape, self.dtype, source, tag=tag)
 
     def receive(self, shape, source: int, tag: int):
         """The message from `source` with `tag`: the receive posted early, waited for, or a plain one."""
+        if source == self.rank:  # the turn of the V: the next chunk is on this rank, no message
+            return self.turn.pop(tag)
         # exercise 06.4: the pipeline executor's point-to-point send and receive
         posted = self.posted.pop((source, tag), None)
         if posted is None:
@@ -325,6 +386,9 @@ class PipelineRunner(Runner):
         return (*x.shape[:-1], self.width)
 
     def send(self, array, dest: int, tag: int):
+        if dest == self.rank:
+            self.turn[tag] = array.copy()
+            return
         # exercise 06.4: the pipeline executor's point-to-point send and receive
         self.pending_sends.append(self.comm.isend(array, dest, tag=tag))
         self.pending_sends = [r for r in self.pending_sends if not r.Test()]  # also drives MPI progress
@@ -351,13 +415,16 @@ class PipelineRunner(Runner):
         stage's start: the chart is then causal to the microsecond and the makespan runs from the first
         start to the last stop. Across hosts the clocks are not comparable, and each stage's times stay
         counted from its own start ("time_base" says which)."""
-        mine = (self.compute_s["F"], self.compute_s["B"] + self.compute_s["W"], wall_s, self.action_times,
-                self.step_started)
-        forward, backward, own_walls, own_actions, starts = zip(*self.comm.allgather_obj(mine))
+        backward_s = self.compute_s["B"] + self.compute_s["W"] + self.compute_s["BW"]
+        mine = (self.compute_s["F"], backward_s, wall_s, self.action_times,
+                self.step_started, self.peak_held, self.overlaps)
+        forward, backward, own_walls, own_actions, starts, held, own_overlaps = zip(
+            *self.comm.allgather_obj(mine))
         nodes = self.comm.nodes  # the grid's: each member's MPI processor name (None: one node)
         shared = nodes is None or len(set(nodes)) == 1
         walls, actions = (from_the_first_start(starts, own_walls, own_actions) if shared
                           else (list(own_walls), list(own_actions)))
+        overlaps = from_the_first_start(starts, own_walls, own_overlaps)[1] if shared else list(own_overlaps)
         busy = [f + b for f, b in zip(forward, backward)]
         makespan = max(walls)
         self.last_timing = {
@@ -370,11 +437,15 @@ class PipelineRunner(Runner):
             "stage_busy_s": busy,
             "makespan_s": makespan,
             "stage_action_times_s": actions,  # per stage: [label, start, stop] in seconds
+            "stage_peak_inflight": list(held),  # per stage: (micro-batch, chunk) pairs held at most
+            "stage_overlaps_s": overlaps,  # per stage, each F&B: [label, posted, waited, receive posted]
             "time_base": "shared" if shared else "per stage",
             "bubble_measured": 1.0 - sum(busy) / (self.stages * makespan),
             "bubble_formula": float(bubble_formula(self.stages, self.microbatches, self.virtual_stages,
-                                                   self.split_backward)),
-            "formula": "(K-1)/(3M+K-1)" if self.split_backward else
+                                                   self.split_backward, self.schedule == "dualpipev")),
+            "formula": "(K-1)/(3M+K-1)" if self.schedule == "dualpipev" else
+                       "(K-1)/(6M+K-1)" if self.placement == "v" else
+                       "(K-1)/(3M+K-1)" if self.split_backward else
                        "(K-1)/(VM+K-1)" if self.virtual_stages > 1 else "(K-1)/(M+K-1)",
         }
 
@@ -384,7 +455,7 @@ def from_the_first_start(starts, walls, actions) -> tuple[list, list]:
     on one clock), counted instead from the first stage's."""
     shifts = [start - min(starts) for start in starts]
     return ([shift + wall for shift, wall in zip(shifts, walls)],
-            [[[label, begin + shift, end + shift] for label, begin, end in stage]
+            [[[label, begin + shift, end + shift, *rest] for label, begin, end, *rest in stage]
              for stage, shift in zip(actions, shifts)])
 
 
@@ -416,4 +487,10 @@ def config_errors(options: PipelineOptions, model: ModelOptions) -> list[str]:
                           f"{model.n_units()} blocks; each chunk needs at least one")
     elif v != 1:
         errors.append(f"--virtual-stages {v} needs --schedule interleaved and --pp > 1")
+    if options.schedule == "dualpipev" and k > 1 and options.microbatches < 2 * k:
+        errors.append(f"--schedule dualpipev needs --microbatches >= 2 x --pp = {2 * k}, got "
+                      f"{options.microbatches} (every rank's steady state overlaps two micro-batches)")
+    if options.schedule in V_SHAPED and k > 1 and 2 * k > model.n_units():
+        errors.append(f"--schedule {options.schedule} cuts the model into 2 x --pp {k} = {2 * k} chunks, "
+                      f"more than its {model.n_units()} blocks; each chunk needs at least one")
     return errors

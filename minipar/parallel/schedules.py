@@ -21,6 +21,16 @@ for, and W, the weight gradient nobody waits for; W steps fill the drain, so wit
 makespan is the lower bound 3M + K - 1 and the bubble (K-1)/(3M + K-1), a third of 1F1B's, holding K
 micro-batches at most, as 1F1B does.
 
+ZB-V (Qi et al. 2024, the V-shaped zero-bubble schedule; torch's ScheduleZBVZeroBubble) gives each
+rank two chunks placed as a V: rank s holds virtual stage s on the way down and 2K-1-s on the way
+back, so the last chunk, and the loss, sit on rank 0, and every rank holds the same amount of
+activations (2K chunk micro-batches, each half a stage: 1F1B's rank-0 level, K stages' worth). With
+F = B = W per chunk its makespan is 6M + K - 1 chunk units: the bubble (K-1)/(6M+K-1), half of ZB-H1's.
+DualPipeV (DeepSeek-V3's DualPipe cut in half; torch's ScheduleDualPipeV) keeps the V and makes each
+steady step an F&B: one micro-batch's forward through one chunk with another's whole backward (BW)
+through the other, so that one's communication hides behind the other's compute (M >= 2K; 2K + 1
+pairs held a rank).
+
 `simulate` places the per-stage action lists on time slots, each action starting as soon as its rank
 is free and its inputs exist; the bubble fraction and in-flight counts are read off the result, never
 typed in. Lesson 06 (pipeline parallelism) explains it; `python -m minipar schedule` draws it
@@ -40,14 +50,29 @@ OPS = ("F", "B", "W")  # forward, backward (with W: the input gradient only), we
 @dataclass(frozen=True)
 class Action:
     """One step of a pipeline rank: op "F" (forward), "B" (backward) or "W" (weight gradient) of a
-    micro-batch, through one of the rank's chunks (`chunk`: None when a rank holds one stage)."""
+    micro-batch, through one of the rank's chunks (`chunk`: None when a rank holds one stage).
+
+    DualPipeV adds two: "BW", a whole backward (B and W as one step) in a schedule that otherwise splits
+    them, and "F&B", the forward of (microbatch, chunk) and the whole backward `backward` of another
+    micro-batch through the other chunk, run as one overlapped step."""
 
     op: str
     microbatch: int
     chunk: int | None = None
+    backward: Action | None = None  # "F&B" only: the whole backward ("BW") run with this forward
 
     def __str__(self) -> str:
+        if self.backward is not None:
+            return f"F{self.microbatch}.{self.chunk}&{self.backward}"
         return f"{self.op}{self.microbatch}" + ("" if self.chunk is None else f".{self.chunk}")
+
+    def parts(self) -> list[Action]:
+        """The plain F, B and W this step stands for: F&B is its F, B and W; BW is its B and W."""
+        if self.backward is not None:
+            return [Action("F", self.microbatch, self.chunk), *self.backward.parts()]
+        if self.op == "BW":
+            return [Action("B", self.microbatch, self.chunk), Action("W", self.microbatch, self.chunk)]
+        return [self]
 
 
 # schedule[stage] is that stage's actions in the order its rank executes them.
@@ -151,8 +176,139 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
     return schedule
 
 
+def zb_v(stages: int, microbatches: int) -> Schedule:
+    """ZB-V: two chunks a rank in the V placement (chunk 0 = virtual stage s, chunk 1 = 2K-1-s).
+
+    Rank s fills with 2(K-s)-1 chunk-0 forwards, then s pairs (chunk-1 forward, chunk-0 forward), then
+    K-s rounds of F, B, W through chunk 1; in the steady state each round is F, B, W through chunk 0
+    and then through chunk 1; the drain runs s pairs of B (chunk 0, chunk 1) with their W left waiting,
+    then K-s rounds of (B, the oldest W) through chunk 0, then the waiting W's, chunk 1's first. The
+    order is written for at least 2K-1 micro-batches (enough to fill the V); with fewer, the actions
+    of micro-batches that do not exist are dropped (torch's ScheduleZBVZeroBubble does the same).
+    """
+    padded = max(2 * stages - 1, microbatches)
+    schedule = []
+    for stage in range(stages):
+        order = _VOrder()
+        order.run([("F", 0)] * (2 * (stages - stage) - 1) + [("F", 1), ("F", 0)] * stage
+                  + [("F", 1), ("B", 1), ("W", 1)] * (stages - stage))
+        while order.count["F", 1] < order.count["F", 0] or order.count["F", 0] < padded:
+            order.run(([("F", 0)] if order.count["F", 0] < padded else [])
+                      + [("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)])
+        order.run([("B", 0), ("B", 1)] * stage + [("B", 0), ("W", 0)] * (stages - stage))
+        order.run([("W", 1)] * (order.count["B", 1] - order.count["W", 1])
+                  + [("W", 0)] * (order.count["B", 0] - order.count["W", 0]))
+        schedule.append([action for action in order.actions if action.microbatch < microbatches])
+    return schedule
+
+
+def dualpipev(stages: int, microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe cut in half; torch's ScheduleDualPipeV): the V placement, and in
+    the steady state every step is an F&B, one micro-batch's forward through one chunk overlapped
+    with another's whole backward through the other chunk.
+
+    Rank s fills with 2(K-s-1) chunk-0 forwards and s+1 pairs of forwards (chunk 0, chunk 1), then
+    K-s-1 rounds of (B of chunk 1, the oldest waiting W, F of chunk 1); then M-2K+s+1 rounds of
+    (F0&BW1, F1&BW0) (the very first F0&BW1 of rank K-1 runs as two plain steps); K-s-1 rounds of
+    (BW1, F1&BW0); s+1 pairs of backwards (chunk 1, chunk 0), whole until the middle pair, then split
+    with their W waiting; K-s-1 rounds of (the oldest W, B of chunk 0); and the last s+1 waiting W's.
+    Needs M >= 2K micro-batches.
+    """
+    if microbatches < 2 * stages:
+        raise ValueError(f"dualpipev needs at least 2K = {2 * stages} micro-batches, got {microbatches}")
+    schedule = []
+    for s in range(stages):
+        order, rest = _VOrder(), stages - s - 1
+        order.run([("F", 0)] * 2 * rest + [("F", 0), ("F", 1)] * (s + 1))
+        for _ in range(rest):
+            order.run([("B", 1)])
+            order.oldest_weight()
+            order.run([("F", 1)])
+        for i in range(microbatches - 2 * stages + s + 1):
+            if i == 0 and s == stages - 1:  # kept apart: the V's turn has nothing to overlap yet
+                order.run([("F", 0), ("BW", 1)])
+            else:
+                order.overlap(0, 1)
+            order.overlap(1, 0)
+        for _ in range(rest):
+            order.run([("BW", 1)])
+            order.overlap(1, 0)
+        pairs = s + 1  # from the middle pair on, B alone: its W fills the drain
+        for i in range(pairs):
+            order.run([("B" if i > pairs // 2 or (i == pairs // 2 and s % 2) else "BW", 1),
+                       ("B" if i >= pairs // 2 else "BW", 0)])
+        for _ in range(rest):
+            order.oldest_weight()
+            order.run([("B", 0)])
+        for _ in range(pairs):
+            order.oldest_weight()
+        schedule.append(order.actions)
+    return schedule
+
+
+class _VOrder:
+    """A rank's actions as they are appended: each (op, chunk) takes its next micro-batch in turn; a
+    split B leaves its W waiting, oldest first; a BW is B and W at once."""
+
+    def __init__(self):
+        self.actions: list[Action] = []
+        self.count = {(op, chunk): 0 for op in OPS for chunk in (0, 1)}
+        self.waiting: list[Action] = []  # the W's of split B's not yet run, oldest first
+
+    def next(self, op: str, chunk: int) -> Action:
+        action = Action(op, self.count["B" if op == "BW" else op, chunk], chunk)
+        for part in action.parts():
+            self.count[part.op, chunk] += 1
+        if op == "B":
+            self.waiting.append(Action("W", action.microbatch, chunk))
+        if op == "W":
+            self.waiting.remove(action)
+        return action
+
+    def run(self, steps: list[tuple[str, int]]) -> None:
+        self.actions += [self.next(op, chunk) for op, chunk in steps]
+
+    def oldest_weight(self) -> None:
+        if self.waiting:
+            self.run([("W", self.waiting[0].chunk or 0)])
+
+    def overlap(self, forward_chunk: int, backward_chunk: int) -> None:
+        forward = self.next("F", forward_chunk)
+        self.actions.append(Action("F&B", forward.microbatch, forward_chunk, self.next("BW", backward_chunk)))
+
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
+    "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1,
+    "zb-v": zb_v, "dualpipev": dualpipev}
+V_SHAPED = ("zb-v", "dualpipev")  # two chunks a rank in the V placement; the loss on rank 0
+SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")  # B is the input gradient only, W the weight gradient
+
+
+def placement_of(name: str) -> str:
+    """How schedule `name` places virtual stages on ranks: "v" (rank s: s and 2K-1-s) or "loop"
+    (Megatron's round robin: chunk c of rank s is c·K + s)."""
+    return "v" if name in V_SHAPED else "loop"
+
+
+def chunks_of(name: str, virtual_stages: int = 1) -> int:
+    """Chunks per rank: 2 for a V-shaped schedule, else `virtual_stages`."""
+    return 2 if name in V_SHAPED else virtual_stages
+
+
+def virtual_stage(stage: int, chunk: int | None, stages: int, placement: str = "loop") -> int:
+    """The virtual stage (its place in the model's order) of `chunk` on rank `stage`."""
+    if placement == "v" and chunk == 1:
+        return 2 * stages - 1 - stage
+    return (chunk or 0) * stages + stage
+
+
+def rank_and_chunk(virtual: int, stages: int, chunks: int, placement: str = "loop") -> tuple[int, int | None]:
+    """The (rank, chunk) holding virtual stage `virtual`: the inverse of `virtual_stage`."""
+    if chunks == 1:
+        return virtual, None
+    if placement == "v":
+        return (virtual, 0) if virtual < stages else (2 * stages - 1 - virtual, 1)
+    return virtual % stages, virtual // stages
 
 
 # The simulator is plain Python (tens of microseconds an action, and a pass over the stages each time one
@@ -187,6 +343,8 @@ def build_schedule(name: str, stages: int, microbatches: int, virtual_stages: in
         raise ValueError(f"need at least 1 stage and 1 micro-batch, got {stages} and {microbatches}")
     if name == "interleaved":
         return interleaved(stages, microbatches, virtual_stages)
+    if name in V_SHAPED and stages < 2:
+        raise ValueError(f"{name} places two chunks on each of at least 2 ranks, got {stages}")
     if virtual_stages != 1:
         raise ValueError(f"{virtual_stages} virtual stages need the interleaved schedule, not {name}")
     return SCHEDULES[name](stages, microbatches)
@@ -200,35 +358,42 @@ def virtual_stages_of(schedule: Schedule) -> int:
 
 def splits_backward(schedule: Schedule) -> bool:
     """Whether B is the input gradient only, with the weight gradient a separate W step (ZB-H1)."""
-    return any(action.op == "W" for actions in schedule for action in actions)
+    return any(part.op == "W" for actions in schedule for action in actions for part in action.parts())
 
 
-def _action_at(op: str, microbatch: int, virtual: int, stages: int, chunks: int) -> tuple[int, Action]:
-    """(rank, action) of virtual stage `virtual` (= chunk·K + rank)."""
-    return virtual % stages, Action(op, microbatch, None if chunks == 1 else virtual // stages)
+def _action_at(op: str, microbatch: int, virtual: int, stages: int, chunks: int,
+               placement: str) -> tuple[int, Action]:
+    """(rank, action) of virtual stage `virtual`."""
+    rank, chunk = rank_and_chunk(virtual, stages, chunks, placement)
+    return rank, Action(op, microbatch, chunk)
 
 
-def dependencies(stage: int, action: Action, stages: int,
-                 virtual_stages: int = 1) -> list[tuple[int, Action]]:
+def dependencies(stage: int, action: Action, stages: int, virtual_stages: int = 1,
+                 placement: str = "loop") -> list[tuple[int, Action]]:
     """The (stage, action) pairs that must finish before `action` can start on `stage`.
 
     A pair on another stage is a message the executor receives: activations from the virtual stage
     before for a forward, the gradient from the one after for a backward (with V chunks, virtual stage
-    c·K + s follows c·K + s - 1, and chunk c+1 on rank 0 follows chunk c on rank K-1). A backward also
+    c·K + s follows c·K + s - 1, and chunk c+1 on rank 0 follows chunk c on rank K-1; in the V
+    placement chunk 1 on rank K-1 follows chunk 0 there, and the loss is on rank 0). A backward also
     needs its own forward (the saved activations), which is what starts it on the last virtual stage;
-    a weight gradient W needs its own B (the output's gradient, which B received).
+    a weight gradient W needs its own B (the output's gradient, which B received). A BW needs what
+    its B needs, and an F&B what its F and its BW need.
     """
-    virtual = (action.chunk or 0) * stages + stage
+    if action.op in ("F&B", "BW"):
+        return [need for part in action.parts() if part.op != "W"
+                for need in dependencies(stage, part, stages, virtual_stages, placement)]
+    virtual = virtual_stage(stage, action.chunk, stages, placement)
     own_forward = (stage, Action("F", action.microbatch, action.chunk))
     if action.op == "W":
         return [(stage, Action("B", action.microbatch, action.chunk))]
     if action.op == "F":
         if virtual == 0:
             return []
-        return [_action_at("F", action.microbatch, virtual - 1, stages, virtual_stages)]
+        return [_action_at("F", action.microbatch, virtual - 1, stages, virtual_stages, placement)]
     if virtual == stages * virtual_stages - 1:
         return [own_forward]
-    return [own_forward, _action_at("B", action.microbatch, virtual + 1, stages, virtual_stages)]
+    return [own_forward, _action_at("B", action.microbatch, virtual + 1, stages, virtual_stages, placement)]
 
 
 def check_schedule(schedule: Schedule) -> int:
@@ -238,10 +403,10 @@ def check_schedule(schedule: Schedule) -> int:
         raise ValueError("a schedule needs at least one stage")
     chunks = sorted({action.chunk for actions in schedule for action in actions}, key=lambda c: c or 0)
     ops = "FBW" if splits_backward(schedule) else "FB"
-    microbatches = len(schedule[0]) // (len(ops) * len(chunks))
+    microbatches = sum(len(action.parts()) for action in schedule[0]) // (len(ops) * len(chunks))
     expected = sorted((op, i, c or 0) for op in ops for i in range(microbatches) for c in chunks)
     for stage, actions in enumerate(schedule):
-        if sorted((a.op, a.microbatch, a.chunk or 0) for a in actions) != expected:
+        if sorted((p.op, p.microbatch, p.chunk or 0) for a in actions for p in a.parts()) != expected:
             raise ValueError(f"stage {stage} must run {', '.join(ops)} of micro-batches "
                              f"0..{microbatches - 1} once" + (" per chunk" if len(chunks) > 1 else ""))
     return microbatches
@@ -270,25 +435,31 @@ def _slot_of(costs: list[Fraction]) -> Fraction:
     return Fraction(math.gcd(*(int(c * denominator) for c in costs)), denominator)
 
 
-def action_costs(forward_cost=1, backward_cost=1, weight_cost=1, virtual_stages: int = 1) -> dict:
-    """Time units of one action per op: a chunk's action costs a stage's divided by V."""
+def action_costs(forward_cost=1, backward_cost=1, weight_cost=1, virtual_stages: int = 1,
+                 overlap_cost=None) -> dict:
+    """Time units of one action per op: a chunk's action costs a stage's divided by V. A BW costs B + W;
+    an F&B `overlap_cost` (default F + B + W: no gain from the overlap)."""
     costs = {"F": Fraction(forward_cost), "B": Fraction(backward_cost), "W": Fraction(weight_cost)}
+    costs["BW"] = costs["B"] + costs["W"]
+    costs["F&B"] = costs["F"] + costs["BW"] if overlap_cost is None else Fraction(overlap_cost)
     if any(cost <= 0 for cost in costs.values()):
-        raise ValueError("forward, backward and weight costs must be positive")
+        raise ValueError("forward, backward, weight and overlap costs must be positive")
     return {op: cost / virtual_stages for op, cost in costs.items()}
 
 
-def simulate(schedule: Schedule, forward_cost=1, backward_cost=1, weight_cost=1) -> Timeline:
+def simulate(schedule: Schedule, forward_cost=1, backward_cost=1, weight_cost=1,
+             placement: str = "loop", overlap_cost=None) -> Timeline:
     """Run each stage's actions in order, each as early as its rank is free and its inputs are ready.
 
     This is what ranks executing the lists with blocking receives do, if compute takes `forward_cost`,
     `backward_cost` and (for a split backward) `weight_cost` time units per stage (a chunk's share
-    with V chunks), and messages take no time. Costs may be fractions. A schedule whose ranks would
-    wait on each other forever raises ValueError.
+    with V chunks), and messages take no time. Costs may be fractions. `placement` says where the
+    chunks sit ("v" for a V-shaped schedule, `placement_of`). A schedule whose ranks would wait on
+    each other forever raises ValueError.
     """
     check_schedule(schedule)
     chunks = virtual_stages_of(schedule)
-    costs = action_costs(forward_cost, backward_cost, weight_cost, chunks)
+    costs = action_costs(forward_cost, backward_cost, weight_cost, chunks, overlap_cost)
     slot = _slot_of(list(costs.values()))
     cost = {op: int(c / slot) for op, c in costs.items()}  # in slots: the simulation is integer
     stages = len(schedule)
@@ -301,12 +472,14 @@ def simulate(schedule: Schedule, forward_cost=1, backward_cost=1, weight_cost=1)
         for stage, actions in enumerate(schedule):
             while position[stage] < len(actions):
                 action = actions[position[stage]]
-                inputs = dependencies(stage, action, stages, chunks)
+                inputs = dependencies(stage, action, stages, chunks, placement)
                 if any(key not in finish for key in inputs):
                     break  # this rank blocks on a receive until another stage gets further
                 begin = max([rank_free_at[stage]] + [finish[key] for key in inputs])
                 start[(stage, action)] = begin
-                finish[(stage, action)] = rank_free_at[stage] = begin + cost[action.op]
+                rank_free_at[stage] = begin + cost[action.op]
+                for part in action.parts():  # what F&B and BW stand for is done when they are
+                    finish[(stage, part)] = rank_free_at[stage]
                 position[stage] += 1
                 progressed = True
         if not progressed:
@@ -339,17 +512,18 @@ def peak_inflight(schedule: Schedule) -> list[int]:
     for actions in schedule:
         inflight = peak = 0
         for action in actions:
-            inflight += 1 if action.op == "F" else -1 if action.op == last else 0
-            peak = max(peak, inflight)
+            for part in action.parts():  # an F&B holds its forward's activations before its W frees
+                inflight += 1 if part.op == "F" else -1 if part.op == last else 0
+                peak = max(peak, inflight)
         peaks.append(peak)
     return peaks
 
 
-def p2p_messages(schedule: Schedule) -> int:
+def p2p_messages(schedule: Schedule, placement: str = "loop") -> int:
     """Point-to-point messages of one step: every input an action receives from another rank."""
     chunks = virtual_stages_of(schedule)
     return sum(other != stage for stage, actions in enumerate(schedule) for action in actions
-               for other, _ in dependencies(stage, action, len(schedule), chunks))
+               for other, _ in dependencies(stage, action, len(schedule), chunks, placement))
 
 
 def render(timeline: Timeline) -> str:

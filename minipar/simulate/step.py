@@ -18,14 +18,18 @@ drains; "pp", the sends under the next micro-batch's compute. Each hides up to i
 the rest stays exposed (`exposed_comm_s`). The optimizer step is free.
 The pipeline: parallel/schedules.py's simulate() with a forward of 1 and a backward of B/F time
 units (B/F rounded to eighths), its makespan scaled by the forward's seconds (1F1B in its closed
-form, (M + K - 1)(1 + B/F), the same number). Uneven stages (`Layout.stage_layers`, as BLOOM
-partitions): the heaviest stage's timeline. A fused attention (`Layout.flash_attention`): no s x s
-pass through HBM, no s x s array kept (kernels.flash_attention_saving).
+form, (M + K - 1)(1 + B/F), the same number); zb-h1, zb-v and dualpipev split the backward into
+B = W = half of it, the V-shaped two (two chunks a rank) placed as a V, their messages counted as two
+chunks' (the turn of the V on rank K-1, which sends none, included). Uneven stages
+(`Layout.stage_layers`, as BLOOM partitions): the heaviest stage's timeline. A fused attention
+(`Layout.flash_attention`): no s x s pass through HBM, no s x s array kept
+(kernels.flash_attention_saving).
 On a CPU (`Machine.cores`), R ranks on C < R cores compute at C/R of their speed each.
 Memory: model states by the ZeRO planner's rule (memory/planner.py), activations by
 memory/activations.py (one micro-batch's peak with pp = 1, exactly what the ledger measures; with pp >
 1, the first stage's in-flight (micro-batch, chunk) pairs times a chunk's blocks: the interleaved
-schedule's 1 + (K-1)/(VK) times 1F1B's). Lesson: lessons/14_simulate.md.
+schedule's 1 + (K-1)/(VK) times 1F1B's; ZB-V's 2K half-stage pairs, 1F1B's; DualPipeV's one more).
+Lesson: lessons/14_simulate.md.
 """
 
 from __future__ import annotations
@@ -82,6 +86,11 @@ class Layout:
     def microbatch_size(self) -> int:
         return self.batch_size // (self.dp * self.microbatches)
 
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: `virtual_stages`, or 2 for a V-shaped schedule."""
+        return schedules.chunks_of(self.schedule, self.virtual_stages)
+
     def blocks_per_stage(self, n_layer: int) -> tuple[int, ...]:
         """Blocks on each pipeline stage, first to last: `stage_layers`, or L / pp each."""
         return self.stage_layers or (n_layer // self.pp,) * self.pp
@@ -103,17 +112,19 @@ def layout_errors(m: ModelShape, lay: Layout) -> list[str]:
         if len(lay.stage_layers) != lay.pp or sum(lay.stage_layers) != m.n_layer or min(lay.stage_layers) < 1:
             errors.append(f"stage layers {list(lay.stage_layers)} are not pp = {lay.pp} stages of the "
                           f"{m.n_layer} blocks, at least one each")
-        if lay.virtual_stages > 1:
+        if lay.chunks > 1:
             errors.append("stage layers need one chunk per stage (virtual stages 1)")
-    elif m.n_layer % (lay.pp * lay.virtual_stages):
-        errors.append(f"pp x virtual stages = {lay.pp * lay.virtual_stages} does not divide the "
+    elif m.n_layer % (lay.pp * lay.chunks):
+        errors.append(f"pp x chunks per rank = {lay.pp * lay.chunks} does not divide the "
                       f"{m.n_layer} blocks")
     if lay.schedule == "interleaved" and lay.microbatches % lay.pp:
         errors.append(f"interleaved needs microbatches {lay.microbatches} to be a multiple of pp {lay.pp}")
+    if lay.schedule == "dualpipev" and lay.pp > 1 and lay.microbatches < 2 * lay.pp:
+        errors.append(f"dualpipev needs microbatches >= 2 x pp = {2 * lay.pp}, got {lay.microbatches}")
     if lay.sp and lay.tp == 1:
         errors.append("sp needs tp > 1")
     if lay.pp > 1:  # only a pipeline runs the schedule simulator
-        errors += schedules.size_errors(lay.pp, lay.microbatches, lay.virtual_stages)
+        errors += schedules.size_errors(lay.pp, lay.microbatches, lay.chunks)
     return errors
 
 
@@ -168,10 +179,10 @@ def activation_memory(m: ModelShape, lay: Layout, inflight: int) -> int:
                     + activations.head_values(s, b, h, m.vocab, lay.tp, lay.sp)) * value_bytes
         return activations.gpt_activation_peak(s, b, h, a, m.n_layer, m.vocab, lay.tp, lay.recompute,
                                                value_bytes, lay.sp)
-    # `inflight` counts (micro-batch, chunk) pairs: each holds one chunk's blocks, L / (pp x V) or the
-    # first stage's (the embedding's few values, held by chunk 0 alone, counted with each pair: an
+    # `inflight` counts (micro-batch, chunk) pairs: each holds one chunk's blocks, L / (pp x chunks) or
+    # the first stage's (the embedding's few values, held by chunk 0 alone, counted with each pair: an
     # overcount of sb values)
-    blocks = lay.blocks_per_stage(m.n_layer)[0] // lay.virtual_stages
+    blocks = lay.blocks_per_stage(m.n_layer)[0] // lay.chunks
     chunk = activations.embedding_values(s, b, h, lay.tp) + blocks * block
     return inflight * chunk * value_bytes
 
@@ -196,9 +207,9 @@ def _timeline(name: str, stages: int, microbatches: int, virtual_stages: int, ra
         inflight = tuple(min(stages - k, microbatches) for k in range(stages))
         return float(makespan), (stages - 1) / (microbatches + stages - 1), inflight
     schedule = schedules.build_schedule(name, stages, microbatches, virtual_stages)
-    backward = ratio / 2 if name == "zb-h1" else ratio  # zb-h1: B and W share the backward equally
-    weight = ratio / 2 if name == "zb-h1" else 1
-    timeline = schedules.simulate(schedule, 1, backward, weight)
+    split = name in schedules.SPLIT_BACKWARD  # B and W share the backward equally
+    backward, weight = (ratio / 2, ratio / 2) if split else (ratio, 1)
+    timeline = schedules.simulate(schedule, 1, backward, weight, schedules.placement_of(name))
     bubble = float(schedules.bubble_fraction(timeline))
     return float(timeline.makespan), bubble, tuple(schedules.peak_inflight(schedule))
 
@@ -285,7 +296,7 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
         # receiving stage all-gathers the pieces over its tp link
         bandwidth, latency = links["pp"]
         activation = s * b * h * value_bytes
-        p2p = lay.virtual_stages * (latency + activation / lay.tp / bandwidth
+        p2p = lay.chunks * (latency + activation / lay.tp / bandwidth
                                     + ring_seconds("all_gather", activation, lay.tp, *links["tp"]))
     p2p_exposed = 0.0 if "pp" in lay.overlap else p2p  # sent while the next micro-batch computes
     recompute_passes = 1 if lay.recompute == "full" else 0  # only a whole block's rerun all-reduces again

@@ -26,7 +26,7 @@ from minipar.core import optim
 from minipar.core.moe import MoEConfig, MoEGPT, MoELayer, routing_of
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet, causal_attention
 from minipar.fusion import training as fused_training
-from minipar.parallel import context, experts, fsdp, pipeline
+from minipar.parallel import context, experts, fsdp, pipeline, schedules
 from minipar.parallel.api import LocalUpdater, MicrobatchRunner
 from minipar.parallel.ddp import DistributedDataParallel
 from minipar.parallel.sequence import SequenceParallelGPT
@@ -78,7 +78,9 @@ def build_model(cfg, grid):
     else:
         model = MLPNet(mcfg, seed=None, recompute=cfg.recompute)
     if cfg.pp > 1:  # keep this stage's units only, under their global names
-        model = pipeline.build_stage(model, grid.pp.size, grid.pp_rank, cfg.virtual_stages)
+        model = pipeline.build_stage(model, grid.pp.size, grid.pp_rank,
+                                     schedules.chunks_of(cfg.schedule, cfg.virtual_stages),
+                                     schedules.placement_of(cfg.schedule))
     if cfg.fused:
         fused_training.use_fused_gelu(model)
     return model.init_parameters(cfg.seed)

@@ -226,17 +226,27 @@ def _parse_schedule(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--virtual-stages", type=int, default=1,
                         help="chunks V per rank (interleaved only; at least 2 there)")
     parser.add_argument("--backward-cost", type=_time_units, default=Fraction(1),
-                        help="time units of a stage's backward (zb-h1: of B, the input gradient); forward: 1")
+                        help="time units of a stage's backward (zb-h1, zb-v: of B, the input gradient); "
+                             "forward: 1")
     parser.add_argument("--weight-cost", type=_time_units, default=None,
-                        help="time units of a stage's weight gradient W (zb-h1 only; default 1)")
+                        help="time units of a stage's weight gradient W (zb-h1, zb-v, dualpipev; default 1)")
+    parser.add_argument("--overlap-cost", type=_time_units, default=None,
+                        help="time units of a stage's F&B step (dualpipev only; default F + B + W)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the chart")
     args = parser.parse_args(argv)
     for name in ("stages", "microbatches", "virtual_stages"):
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             parser.error(f"{flag} must be at least 1, got {getattr(args, name)}")
-    if args.weight_cost is not None and args.schedule != "zb-h1":
-        parser.error(f"--weight-cost needs --schedule zb-h1 (the {args.schedule} backward is one step)")
+    if args.weight_cost is not None and args.schedule not in schedules.SPLIT_BACKWARD:
+        parser.error(f"--weight-cost needs --schedule zb-h1, zb-v or dualpipev "
+                     f"(the {args.schedule} backward is one step)")
+    if args.overlap_cost is not None and args.schedule != "dualpipev":
+        parser.error("--overlap-cost needs --schedule dualpipev (the only schedule with F&B steps)")
+    if args.schedule == "dualpipev" and args.microbatches < 2 * args.stages:
+        parser.error(f"--schedule dualpipev needs --microbatches >= 2 x --stages = {2 * args.stages}")
+    if args.schedule in schedules.V_SHAPED and args.stages < 2:
+        parser.error(f"--schedule {args.schedule} needs --stages of at least 2 (two chunks a rank, as a V)")
     if args.schedule == "interleaved" and args.virtual_stages < 2:
         parser.error("--schedule interleaved needs --virtual-stages of at least 2")
     if args.schedule != "interleaved" and args.virtual_stages != 1:
@@ -245,7 +255,8 @@ def _parse_schedule(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--schedule interleaved needs --microbatches {args.microbatches} to be a "
                      f"multiple of --stages {args.stages}")
     args.weight_cost = Fraction(1) if args.weight_cost is None else args.weight_cost
-    for error in schedules.size_errors(args.stages, args.microbatches, args.virtual_stages):
+    for error in schedules.size_errors(args.stages, args.microbatches,
+                                       schedules.chunks_of(args.schedule, args.virtual_stages)):
         parser.error(error)
     return args
 
@@ -257,9 +268,11 @@ def schedule_main(argv: list[str]) -> int:
     except SystemExit as exit_request:  # a one-line usage error (2), or --help (0)
         return int(exit_request.code or 0)
     schedule = schedules.build_schedule(args.schedule, args.stages, args.microbatches, args.virtual_stages)
+    placement = schedules.placement_of(args.schedule)
     try:
         timeline = schedules.simulate(schedule, backward_cost=args.backward_cost,
-                                      weight_cost=args.weight_cost)
+                                      weight_cost=args.weight_cost, placement=placement,
+                                      overlap_cost=args.overlap_cost)
     except schedules.TimelineTooLarge as why:
         return fail("minipar schedule", str(why))
     bubble = schedules.bubble_fraction(timeline)
@@ -271,7 +284,8 @@ def schedule_main(argv: list[str]) -> int:
             "schedule": args.schedule,
             "stages": args.stages,
             "microbatches": microbatches,
-            "virtual_stages": args.virtual_stages,
+            "virtual_stages": schedules.chunks_of(args.schedule, args.virtual_stages),
+            "placement": placement,
             "forward_cost": 1,
             "backward_cost": _json_number(args.backward_cost),
             **({"weight_cost": _json_number(args.weight_cost)} if split else {}),
@@ -280,7 +294,7 @@ def schedule_main(argv: list[str]) -> int:
             "bubble_fraction": float(bubble),
             "bubble_fraction_exact": str(bubble),
             "peak_inflight": peaks,
-            "p2p_messages": schedules.p2p_messages(schedule),
+            "p2p_messages": schedules.p2p_messages(schedule, placement),
             "timeline": [[None if cell is None else str(cell) for cell in row] for row in timeline.grid],
         }
         print(json.dumps(report))
@@ -290,6 +304,8 @@ def schedule_main(argv: list[str]) -> int:
         costs = (f"forward 1 time unit, input gradient B {args.backward_cost}, "
                  f"weight gradient W {args.weight_cost}")
     chunks = f", chunks per rank V={args.virtual_stages}" if args.virtual_stages > 1 else ""
+    if placement == "v":
+        chunks = ", 2 chunks per rank as a V (rank s: virtual stages s and 2K-1-s)"
     print(f"{args.schedule} schedule: stages K={args.stages}, micro-batches M={microbatches}{chunks}, "
           f"{costs}")
     if args.schedule == "naive":
@@ -298,7 +314,7 @@ def schedule_main(argv: list[str]) -> int:
         print(f"(one column = {timeline.slot} time unit)")
     print(schedules.render(timeline))
     print(f"bubble fraction: {bubble} = {float(bubble):.3f} (idle slots / all slots)")
-    what = "(micro-batch, chunk) pairs" if args.virtual_stages > 1 else "micro-batches"
+    what = "(micro-batch, chunk) pairs" if schedules.virtual_stages_of(schedule) > 1 else "micro-batches"
     print(f"peak in-flight {what}: " + ", ".join(f"stage {s}: {p}" for s, p in enumerate(peaks)))
-    print(f"point-to-point messages per step: {schedules.p2p_messages(schedule)}")
+    print(f"point-to-point messages per step: {schedules.p2p_messages(schedule, placement)}")
     return 0

@@ -19,6 +19,7 @@ import numpy as np
 
 from minipar.core.hooks import HookList, RemovableHandle
 from minipar.core.moe import RoutingStats
+from minipar.parallel import pipeline
 from minipar.parallel.api import Runner, Updater
 from minipar.precision.formats import DynamicLossScaler
 from minipar.trainer.tasks import local_slice
@@ -101,9 +102,10 @@ class Engine:
         grid = self.grid
         if self.cfg.model == "moe":
             return grid.pp.allreduce_obj(grid.dp_cp.allreduce_obj(local_loss))
-        if grid.pp_rank == grid.pp.size - 1:
+        loss_rank = pipeline.loss_rank(self.cfg.schedule, grid.pp.size)  # the last stage; rank 0 in a V
+        if grid.pp_rank == loss_rank:
             local_loss = grid.dp_cp.allreduce_obj(local_loss)  # with --cp each rank has its tokens' share
-        return grid.pp.bcast_obj(local_loss, root=grid.pp.size - 1)
+        return grid.pp.bcast_obj(local_loss, root=loss_rank)
 
 
 def assemble_full_state(pieces: list[dict]) -> dict:

@@ -21,6 +21,7 @@ from pathlib import Path
 from minipar.checkpoint import sharded as checkpoint
 from minipar.core import backend, moe, recompute
 from minipar.parallel import context, experts, fsdp, pipeline, sequence, tensor, zero_chunked
+from minipar.parallel.schedules import SPLIT_BACKWARD
 from minipar.precision import fp8, mixed
 from minipar.trainer import trace
 from minipar.trainer.build import build_model, build_optimizer, model_config
@@ -151,23 +152,24 @@ def _combinations(cfg: TrainConfig) -> list[str]:
         (cfg.ep > 1 and cfg.chunked,
          f"--ep {cfg.ep} with chunked ZeRO-3 (--offload, --chunk-mb, --device-mem-mb) is not built yet "
          "(use --zero 1, 2 or 3)"),
-        (cfg.schedule == "zb-h1" and cfg.pp > 1 and (cfg.zero == 3 or cfg.chunked),
-         "--schedule zb-h1 runs with --zero 0, 1 or 2 and no offload or chunks: ZeRO-3 would have to "
-         "gather the parameters again for each W step"),
+        (cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1 and (cfg.zero == 3 or cfg.chunked),
+         f"--schedule {cfg.schedule} runs with --zero 0, 1 or 2 and no offload or chunks: ZeRO-3 would "
+         "have to gather the parameters again for each W step"),
+        (cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1 and cfg.recompute == "full",
+         f"--schedule {cfg.schedule} with --recompute full: a recomputed block's backward runs as one "
+         "operation, so its weight gradients cannot wait for W; use --recompute selective or none"),
+        (cfg.precision == "fp8" and cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1,
+         f"--precision fp8 with --schedule {cfg.schedule}: a weight gradient's product deferred to W "
+         "would run after its layer's FP8 scope has closed; use another schedule"),
         (cfg.fsdp and cfg.zero > 0,
          f"--fsdp with --zero {cfg.zero}: both shard the model states over dp; choose one"),
         (cfg.fsdp and (cfg.chunked or cfg.ep > 1),
          "--fsdp with chunked ZeRO-3 (--offload, --chunk-mb, --device-mem-mb) or --ep is not built"),
         (cfg.fsdp and cfg.precision not in ("fp64", "fp32"),
          f"--fsdp with --precision {cfg.precision} is not built: it runs in fp64 or fp32"),
-        (cfg.fsdp and cfg.schedule == "zb-h1" and cfg.pp > 1,
-         "--schedule zb-h1 with --fsdp: FSDP would have to gather the parameters again for each W step"),
-        (cfg.schedule == "zb-h1" and cfg.pp > 1 and cfg.recompute == "full",
-         "--schedule zb-h1 with --recompute full: a recomputed block's backward runs as one operation, "
-         "so its weight gradients cannot wait for W; use --recompute selective or none"),
-        (cfg.precision == "fp8" and cfg.schedule == "zb-h1" and cfg.pp > 1,
-         "--precision fp8 with --schedule zb-h1: a weight gradient's product deferred to W would run "
-         "after its layer's FP8 scope has closed; use another schedule"),
+        (cfg.fsdp and cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1,
+         f"--schedule {cfg.schedule} with --fsdp: FSDP would have to gather the parameters again for each "
+         "W step"),
         (cfg.precision == "fp8" and cfg.check_reference and cfg.fp8_accumulate != "fp64",
          "--check-reference with --precision fp8 needs --fp8-accumulate fp64: with fp32 sums a layout "
          "can move a value across an FP8 rounding boundary (1/16 of it), and no tolerance is derived"),

@@ -5,7 +5,8 @@ Measured: `minipar train --pp K --schedule S --microbatches M` under mpiexec (or
 the pipeline runner notes every action's start and stop (the `stage_action_times_s` of the log's `pipeline`
 record, parallel/pipeline.py), so the chart is the last step's real timeline, waits included.
 Simulated: parallel/schedules.py's `simulate` of the schedule the step ran (read off its actions'
-labels), a backward twice a forward (F = 1, B = 2; F = B = W = 1 where the backward is split).
+labels), a backward twice a forward (F = 1, B = 2; F = B = W = 1 where the backward is split). The V
+schedules (zb-v, dualpipev) run a GPT of 2K-2 blocks, so that each of the 2K chunks has a unit.
 
     python -m minipar plot gantt [--stages 2] [--schedule 1f1b] [--microbatches 4] [--log FILE] [--out DIR]
 Lesson: lessons/06_pipeline.md.
@@ -18,9 +19,12 @@ from pathlib import Path
 
 from minipar.parallel.schedules import (
     SCHEDULES,
+    V_SHAPED,
+    Action,
     Timeline,
     bubble_fraction,
     build_schedule,
+    placement_of,
     simulate,
     splits_backward,
 )
@@ -36,7 +40,8 @@ COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
 
 def add_arguments(p) -> None:
     p.add_argument("--stages", type=int, default=2, help="pipeline stages K (= ranks)")
-    p.add_argument("--schedule", default="1f1b", choices=("naive", "gpipe", "1f1b", "zb-h1"))
+    p.add_argument("--schedule", default="1f1b",
+                   choices=("naive", "gpipe", "1f1b", "zb-h1", "zb-v", "dualpipev"))
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--log", type=Path, default=None, help="a `train --pp K --log` file instead of a run")
 
@@ -44,6 +49,8 @@ def add_arguments(p) -> None:
 def pipeline_args(stages: int, schedule: str, microbatches: int) -> list[str]:
     """bench pp's model as a pipeline; ValueError (one line) where validation refuses it."""
     args = [*PIPELINE_ARGS, "--pp", str(stages), "--schedule", schedule, "--microbatches", str(microbatches)]
+    if schedule in V_SHAPED:  # 2K chunks of a GPT of n_layer + 2 units
+        args[args.index("--n-layer") + 1] = str(max(2, 2 * stages - 2))
     problems = validate(parse_train_args(args), stages) if stages >= 2 else ["--stages must be at least 2"]
     if problems:
         raise ValueError("; ".join(problems))
@@ -64,12 +71,21 @@ def schedule_of(timing: dict) -> tuple[str, int]:
     chunks = {label.split(".")[1] for row in labels for label in row if "." in label}
     virtual = max(1, len(chunks))
     for name in SCHEDULES:
-        if (name == "interleaved") != (virtual > 1):
+        try:
+            table = build_schedule(name, timing["stages"], timing["microbatches"],
+                                   virtual if name == "interleaved" else 1)
+        except ValueError:  # sizes this schedule does not take (interleaved with V = 1, dualpipev M < 2K)
             continue
-        table = build_schedule(name, timing["stages"], timing["microbatches"], virtual)
-        if [[str(action) for action in actions] for actions in table] == labels:
+        if [[label for action in actions for label in timed_labels(action)] for actions in table] == labels:
             return name, virtual
     raise ValueError("the log's pipeline actions are those of no schedule")
+
+
+def timed_labels(action: Action) -> list[str]:
+    """The labels the runner times `action` under: an F&B's forward and backward one after the other."""
+    if action.backward is not None:
+        return [str(Action("F", action.microbatch, action.chunk)), str(action.backward)]
+    return [str(action)]
 
 
 def measured_bars(timing: dict) -> list[tuple[int, str, float, float]]:
@@ -107,10 +123,10 @@ def draw(args, path: Path) -> None:
         timing = pipeline_records(args.stages, args.schedule, args.microbatches, steps=3)[-1]["pipeline"]
     stages, microbatches = timing["stages"], timing["microbatches"]
     schedule, virtual = schedule_of(timing)
-    table = build_schedule(schedule, stages, microbatches, virtual)
+    table = build_schedule(schedule, stages, microbatches, virtual if schedule == "interleaved" else 1)
     backward = 1 if splits_backward(table) else 2
     measured = measured_bars(timing)
-    timeline = simulate(table, forward_cost=1, backward_cost=backward)
+    timeline = simulate(table, forward_cost=1, backward_cost=backward, placement=placement_of(schedule))
     simulated = simulated_bars(timeline)
     plt = canvas.pyplot()
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.2 + 1.1 * stages))

@@ -92,6 +92,78 @@ def test_schedules_inside_3d_layouts(schedule, zero, layout, seed):
         assert records[-1]["comm"]["by_dim_op"]["dp"] == plain[-1]["comm"]["by_dim_op"]["dp"]
 
 
+@needs_world_size(2)
+@pytest.mark.mpi
+@pytest.mark.parametrize("model, microbatches", [("gpt", 4), ("mlp", 2)])
+def test_zb_v_trains_to_the_single_process_result(model, microbatches):
+    # K = 2 ranks, 4 chunks as a V; M = 2 is fewer than the 2K-1 that fill the V (actions dropped)
+    cfg = TrainConfig(model=model, dp=1, pp=2, microbatches=microbatches, schedule="zb-v", precision="fp64",
+                      steps=2, batch_size=microbatches, seq_len=6, n_layer=2 if model == "gpt" else 4,
+                      n_head=2, d_model=8, seed=11, quiet=True)
+    _, records = run_in_groups(cfg)
+    # each rank sends from both chunks both ways, but the turn of the V on rank K-1 and the loss on
+    # rank 0 send nothing: 2 of the 4 boundaries cross ranks, 2M messages a rank
+    assert records[-1]["comm"]["messages"] == 2 * microbatches
+    assert records[-1]["pipeline"]["formula"] == "(K-1)/(6M+K-1)"
+    if microbatches >= 3:  # the V filled: each rank holds 2K chunk micro-batches, 1F1B's rank 0's K stages
+        assert records[-1]["pipeline"]["stage_peak_inflight"] == [4, 4]
+
+
+@needs_world_size(2)
+@pytest.mark.mpi
+@pytest.mark.parametrize("model, microbatches, overlap",
+                         [("gpt", 4, True), ("mlp", 5, False), ("moe", 4, True)])
+def test_dualpipev_trains_to_the_single_process_result(model, microbatches, overlap):
+    # the F&B steps run one micro-batch's forward and another's whole backward, receives posted first
+    cfg = TrainConfig(model=model, dp=1, pp=2, microbatches=microbatches, schedule="dualpipev",
+                      precision="fp64", steps=2, batch_size=microbatches, seq_len=6,
+                      n_layer=2 if model == "gpt" else 4, n_head=2, d_model=8, seed=3, quiet=True,
+                      no_overlap=not overlap)
+    _, records = run_in_groups(cfg)
+    assert records[-1]["comm"]["messages"] == 2 * microbatches  # as ZB-V: 2 of 4 boundaries cross ranks
+    labels = [label for label, _, _ in records[-1]["pipeline"]["stage_action_times_s"][0]]
+    assert "F3.0" in labels and "BW1.1" in labels  # rank 0's F&B (F3.0 & BW1.1), timed part by part
+    assert records[-1]["pipeline"]["stage_peak_inflight"] == [5, 5]  # the DualPipe README's PP + 1, PP = 2K
+    assert_f_and_b_overlaps(records[-1]["pipeline"], microbatches, overlap)
+
+
+def assert_f_and_b_overlaps(timing, microbatches, overlap):
+    """Inside each F&B the backward's receive is posted before the forward computes and waited only
+    after it: the message travels while the other micro-batch's forward runs (and the forward's output
+    is sent, not waited for, before the backward computes). With --no-overlap nothing is posted early."""
+    k = 2
+    for rank, actions in enumerate(timing["stage_action_times_s"]):
+        overlaps = timing["stage_overlaps_s"][rank]
+        # rank s's F&B steps in torch's order: two in each of M-2K+s+1 steady rounds, one in each of
+        # K-s-1 drain rounds, less rank K-1's very first, run as two plain steps
+        assert len(overlaps) == 2 * (microbatches - 2 * k + rank + 1) + (k - rank - 1) - (rank == k - 1)
+        times = {label: (start, stop) for label, start, stop in actions}
+        for label, posted, waited, receive_posted in overlaps:
+            forward, backward = label.split("&")
+            assert posted <= times[forward][0] and times[forward][1] <= waited <= times[backward][0], label
+            # K = 2: rank 0's chunk 0 and rank 1's chunk 1 receive their gradient from the other rank;
+            # rank 0's chunk 1 starts from the loss and rank 1's chunk 0 from the turn of the V
+            crosses = backward.endswith(".0") if rank == 0 else backward.endswith(".1")
+            assert receive_posted is (overlap if crosses else None), label
+
+
+@needs_world_size(4)
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule, microbatches", [("zb-v", 3), ("dualpipev", 4)])
+def test_v_schedules_with_zero_1_on_dp_2_pp_2(schedule, microbatches):
+    cfg = TrainConfig(model="gpt", dp=2, pp=2, zero=1, microbatches=microbatches, schedule=schedule,
+                      precision="fp64", steps=2, batch_size=2 * microbatches, seq_len=6, n_layer=2, n_head=2,
+                      d_model=8, seed=5, quiet=True)
+    run_in_groups(cfg)
+
+
+def test_v_stage_holds_chunks_s_and_2k_minus_1_minus_s():
+    names = [build_stage(MLPNet(MLPConfig(d_hidden=8, n_layer=4), seed=None), 2, s, 2, "v").chunk_units
+             for s in range(2)]
+    assert names == [[["layers.0"], ["layers.3"]], [["layers.1"], ["layers.2"]]]
+    assert build_stage(MLPNet(MLPConfig(d_hidden=8, n_layer=4), seed=None), 2, 0, 2, "v").is_last
+
+
 def test_interleaved_stage_holds_its_round_robin_chunks():
     model = MLPNet(MLPConfig(d_hidden=8, n_layer=6), seed=None)  # 6 equal units, 3 chunks on 2 ranks
     names = [build_stage(MLPNet(MLPConfig(d_hidden=8, n_layer=6), seed=None), 2, s, 3).chunk_units
@@ -110,6 +182,11 @@ def test_interleaved_stage_holds_its_round_robin_chunks():
     ({"schedule": "1f1b", "pp": 2, "virtual_stages": 2}, "--virtual-stages 2 needs --schedule interleaved"),
     ({"virtual_stages": 0}, "--virtual-stages must be a positive integer"),
     ({"schedule": "zb-h1", "pp": 2, "dp": 2, "zero": 3}, "--schedule zb-h1 runs with --zero 0, 1 or 2"),
+    ({"schedule": "zb-v", "pp": 2, "dp": 2, "zero": 3}, "--schedule zb-v runs with --zero 0, 1 or 2"),
+    ({"schedule": "dualpipev", "pp": 2, "microbatches": 3, "batch_size": 6},
+     "--schedule dualpipev needs --microbatches >= 2 x --pp = 4, got 3"),
+    ({"schedule": "zb-v", "pp": 4, "model": "mlp", "n_layer": 6, "microbatches": 4},
+     "--schedule zb-v cuts the model into 2 x --pp 4 = 8 chunks, more than its 6 blocks"),
 ])
 def test_validate_names_the_schedule_mistake(changes, message):
     cfg = TrainConfig(**changes)

@@ -170,15 +170,25 @@ def test_every_figure_is_a_file_with_its_png_name_and_a_docstring(name):
 
 
 @pytest.mark.parametrize("schedule,microbatches,virtual", [
-    ("gpipe", 3, 1), ("1f1b", 4, 1), ("zb-h1", 3, 1), ("interleaved", 4, 2), ("naive", 1, 1)])
+    ("gpipe", 3, 1), ("1f1b", 4, 1), ("zb-h1", 3, 1), ("interleaved", 4, 2), ("naive", 1, 1),
+    ("zb-v", 4, 2), ("dualpipev", 4, 2)])
 def test_the_schedule_is_read_off_the_measured_actions(schedule, microbatches, virtual):
-    table = build_schedule(schedule, 2, microbatches, virtual)
+    table = build_schedule(schedule, 2, microbatches, virtual if schedule == "interleaved" else 1)
+    # the runner times an F&B step ("F3.0&BW1.1") as its two parts
     timing = {"stages": 2, "microbatches": microbatches,
-              "stage_action_times_s": [[[str(a), 0.0, 0.0] for a in actions] for actions in table]}
+              "stage_action_times_s": [[[label, 0.0, 0.0] for a in actions for label in str(a).split("&")]
+                                       for actions in table]}
     assert gantt.schedule_of(timing) == (schedule, virtual)
     timing["stage_action_times_s"][0].reverse()
     with pytest.raises(ValueError, match="no schedule"):
         gantt.schedule_of(timing)
+
+
+def test_a_v_pipeline_gets_a_unit_for_each_of_its_2k_chunks():
+    args = gantt.pipeline_args(4, "zb-v", 8)  # a GPT of 6 blocks: 8 units for 8 chunks
+    assert args[args.index("--n-layer") + 1] == "6"
+    with pytest.raises(ValueError, match="--schedule dualpipev needs --microbatches >= 2 x --pp = 8"):
+        gantt.pipeline_args(4, "dualpipev", 4)
 
 
 def test_a_pipeline_the_trainer_refuses_is_refused_before_any_run():

@@ -75,6 +75,28 @@ def test_zb_h1_step_is_its_schedules_makespan_with_the_backward_split_in_halves(
     assert zb["bubble_fraction"] == pytest.approx((K - 1) / (3 * M + K - 1), rel=1e-12)
 
 
+@pytest.mark.parametrize("schedule, stages, microbatches",
+                         [("zb-v", 4, 8), ("zb-v", 3, 5), ("dualpipev", 2, 4)])
+def test_v_step_is_its_schedules_makespan(schedule, stages, microbatches):
+    """With no communication the backward is 2 forwards, split into B = W = 1; two chunks a rank, each
+    half a stage. ZB-V: the last rank starts after K-1 chunk forwards (half a forward each) and then
+    computes 6M chunk actions: (6M + K - 1)/2 forwards against 1F1B's 3(M + K - 1), bubble
+    (K-1)/(6M+K-1). DualPipeV with an F&B costing F + B + W: the DualPipe README's (K-1)(F&B + B - 3W)
+    = 2(K-1) chunk units more than the 6M of work, (3M + K - 1) forwards, ZB-H1's. Memory: the
+    activations of 2K (ZB-V) or 2K+1 (DualPipeV) half-stage pairs on rank 0."""
+    K, M = stages, microbatches
+    shape = ModelShape(stages * 2, 64, 4, 32, 0)  # no logits; 2K blocks, one a chunk
+    v = simulate_step(shape, Layout(M, microbatches=M, pp=K, schedule=schedule), QUIET)
+    plain = simulate_step(shape, Layout(M, microbatches=M, pp=K, schedule="1f1b"), QUIET)
+    makespan = Fraction(6 * M + K - 1, 2) if schedule == "zb-v" else Fraction(3 * M + K - 1)
+    assert v["step_s"] / plain["step_s"] == pytest.approx(float(makespan / (3 * (M + K - 1))), rel=1e-12)
+    bubble = Fraction(K - 1, 6 * M + K - 1) if schedule == "zb-v" else Fraction(K - 1, 3 * M + K - 1)
+    assert v["bubble_fraction"] == pytest.approx(float(bubble), rel=1e-12)
+    pairs = 2 * K + (schedule == "dualpipev")
+    # 1F1B's rank 0 holds K micro-batches of 2 blocks, the V's rank 0 `pairs` of 1 block
+    assert v["memory"]["activations"] / plain["memory"]["activations"] == pytest.approx(pairs / (2 * K))
+
+
 @pytest.mark.parametrize("recompute,zero", [("none", 0), ("full", 1), ("selective", 0)])
 def test_memory_equals_the_ledger_of_a_real_run(recompute, zero):
     cfg = TrainConfig(model="gpt", precision="fp64", steps=1, batch_size=4, microbatches=2, seq_len=16,

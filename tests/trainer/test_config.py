@@ -40,7 +40,7 @@ FLAGS = {
     "--sp": (False, None, SWITCH),
     "--pp": (1, None, int),
     "--microbatches": (1, None, int),
-    "--schedule": ("1f1b", ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"), str),
+    "--schedule": ("1f1b", ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"), str),
     "--virtual-stages": (1, None, int),
     "--cp": (1, None, int),
     "--ep": (1, None, int),
@@ -179,7 +179,7 @@ def test_bad_flags_exit_2_with_one_line(argv, names, capsys):
 @pytest.mark.parametrize("changes, message", [
     ({"zero": 4}, "--zero must be 0, 1, 2 or 3, got 4"),
     ({"schedule": "zigzag"},
-     "--schedule must be one of naive, gpipe, 1f1b, interleaved, zb-h1, got 'zigzag'"),
+     "--schedule must be one of naive, gpipe, 1f1b, interleaved, zb-h1, zb-v, dualpipev, got 'zigzag'"),
     ({"offload": "gpu"}, "--offload must be one of none, cpu, disk, got 'gpu'"),
     ({"optimizer": "adam"}, "--optimizer must be one of adamw, sgd, got 'adam'"),
     ({"eviction": "fifo"}, "--eviction must be one of lru, opt, got 'fifo'"),
@@ -207,7 +207,7 @@ def test_fsdp_combinations_are_refused_in_one_line(changes, world, message):
 def test_every_choice_is_one_its_technique_runs():
     choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(TrainConfig)}
     for name in choices["schedule"]:
-        build_schedule(name, 2, 2, 2 if name == "interleaved" else 1)  # interleaved: V >= 2 chunks
+        build_schedule(name, 2, 4, 2 if name == "interleaved" else 1)  # interleaved V >= 2, dualpipev M >= 2K
     for name in choices["precision"]:
         Precision.from_name(name)
     for name in choices["backend"]:
