@@ -80,7 +80,7 @@ BAD_INPUTS = [
     (["--microbatches", "3"], "is not divisible by --microbatches 3"),
     (["--d-model", "30", "--n-head", "4"], "--d-model 30 is not divisible by --n-head 4"),
     (["--zero", "4"], "argument --zero: invalid choice"),
-    (["--precision", "fp8"], "argument --precision: invalid choice"),
+    (["--precision", "fp4"], "argument --precision: invalid choice"),
     (["--pp", "2", "--schedule", "zb-h1", "--zero", "3"], "--schedule zb-h1 runs with --zero 0, 1 or 2"),
     (["--backend", "tpu"], "argument --backend: invalid choice"),
     (["--model", "bert"], "argument --model: invalid choice"),
