@@ -27,6 +27,12 @@ _output_cast = None  # set by mixed precision: rounds every op's output and inpu
 class ActivationMeter:
     """Bytes of tensors saved for backward: current and peak since the last reset.
 
+    Each buffer counts once, whoever saves it and however many times (softmax's output, saved by the
+    softmax and by the product after it; the input that query, key and value share): `hold` keys the
+    arrays by the buffer that owns their memory, counts that buffer's `nbytes` (a saved view keeps its
+    whole base alive) when its first saver holds it, and `let_go` takes it off when its last saver
+    lets go. `add` and `release` count bytes as given (the buffer meter's use).
+
     Anyone may listen (a memory ledger, an offloading store that must make room first): autograd
     itself knows nothing of them. Listeners get the new current bytes after every change, in order."""
 
@@ -34,6 +40,39 @@ class ActivationMeter:
         self.current = 0
         self.peak = 0
         self.listeners = HookList()
+        self.savers: dict[int, list] = {}  # id(base) -> [savers, nbytes]; a saver's view keeps base alive
+
+    def hold(self, arrays) -> tuple:
+        """Count the buffers of `arrays` not held yet; returns their bases, for `let_go`."""
+        bases, added, savers = [], 0, self.savers
+        for a in arrays:  # a plain loop, not a generator: this runs for every op of every step
+            base = getattr(a, "base", _NOT_AN_ARRAY)
+            if base is _NOT_AN_ARRAY:  # None, a number, a tuple of slices: no buffer
+                continue
+            base = a
+            while hasattr(base.base, "base") and hasattr(base.base, "nbytes"):  # an array owns it: climb
+                base = base.base  # (not a memoryview or bytes an array was made from)
+            entry = savers.get(id(base))
+            if entry is None:
+                savers[id(base)] = [1, base.nbytes]
+                added += base.nbytes
+            else:
+                entry[0] += 1
+            bases.append(base)
+        if added:
+            self.add(added)
+        return tuple(bases)
+
+    def let_go(self, bases: tuple):
+        released, savers = 0, self.savers
+        for base in bases:
+            entry = savers[id(base)]
+            entry[0] -= 1
+            if not entry[0]:
+                del savers[id(base)]
+                released += entry[1]
+        if released:
+            self.release(released)
 
     def subscribe(self, listener, first: bool = False) -> RemovableHandle:
         """Call `listener(current_bytes)` on every change; `first=True` puts it ahead of the others."""
@@ -53,6 +92,7 @@ class ActivationMeter:
         self.peak = self.current
 
 
+_NOT_AN_ARRAY = object()
 activation_meter = ActivationMeter()
 
 
@@ -99,8 +139,8 @@ class Tensor:
         self.data = data
         self.grad: Array | None = None  # d(loss)/d(self), accumulated by backward() on leaves
         self.requires_grad = requires_grad
-        # (function class, ctx, the arguments it was applied to) for non-leaf tensors; None for leaves
-        self.node: tuple[type[Function], Context, tuple] | None = None
+        # the backward node of the op that made it (non-leaf tensors); None for leaves
+        self.node: Node | None = None
 
     # the array's, read by attrgetter (C, no Python call: ops ask for them on every step)
     shape = property(attrgetter("data.shape"))
@@ -131,33 +171,34 @@ class Tensor:
         """
         if grad is None:
             grad = xp_of(self.data).ones_like(self.data)
-        grads = {self: grad}  # keyed by the tensors themselves: a Tensor hashes by identity
-        for tensor in reversed(_topological_order(self)):
-            g = grads.pop(tensor, None)
-            if g is None:
+        root, self.node = self.node, None  # free the graph as we go, like PyTorch's retain_graph=False
+        if root is None:  # a leaf: its gradient is the one given
+            _accumulate(self, grad)
+            return
+        grads = {root: grad}  # keyed by the nodes themselves: a Node hashes by identity
+        for node in reversed(_topological_order(root)):
+            g = grads.pop(node, None)
+            ctx, links = node.ctx, node.next
+            if g is None or ctx is None:  # no gradient reached it, or another backward ran it
                 continue
-            if tensor.node is None:
-                tensor.grad = g if tensor.grad is None else tensor.grad + g
-                continue
-            function, ctx, inputs = tensor.node
-            tensor.node = None  # free the graph as we go, like PyTorch's retain_graph=False
+            node.ctx, node.next = None, ()  # its saved arrays go with its backward
             if defer_weight_grads is None:
-                input_grads = _run_backward(function, ctx, g)
+                input_grads = _run_backward(node.function, ctx, g)
             else:
-                input_grads = _backward_deferring_weights(function, ctx, g, inputs, defer_weight_grads)
+                input_grads = _backward_deferring_weights(node.function, ctx, g, links, defer_weight_grads)
             # needed: the argument was a Tensor that required grad when the op ran (apply's record)
-            for parent, pg, needed in zip(inputs, input_grads, ctx.needs_input_grad):
+            for link, pg, needed in zip(links, input_grads, ctx.needs_input_grad):
                 if pg is None or not needed:
                     continue
                 if _output_cast is not None:
                     pg = _output_cast(pg)
-                if parent.node is None:  # a leaf: accumulate now, as PyTorch's AccumulateGrad does, so
-                    _accumulate(parent, pg)  # later hooks see it
+                if link.__class__ is not Node:  # a leaf: accumulate now, as PyTorch's AccumulateGrad
+                    _accumulate(link, pg)  # does, so later hooks see it
                     continue
-                if parent in grads:  # used by several ops: the gradients add, an op like any other
-                    pg = grads[parent] + pg
+                if link in grads:  # used by several ops: the gradients add, an op like any other
+                    pg = grads[link] + pg
                     pg = _output_cast(pg) if _output_cast is not None else pg
-                grads[parent] = pg
+                grads[link] = pg
 
     # Operators call the differentiable functions of minipar.core.functional through `_operators`
     # (functional registers them: it builds on this module, so this module cannot import it).
@@ -241,18 +282,19 @@ def _run_backward(function, ctx, g) -> tuple:
     return input_grads if isinstance(input_grads, tuple) else (input_grads,)
 
 
-def _backward_deferring_weights(function, ctx, g, inputs, deferred: list) -> tuple:
+def _backward_deferring_weights(function, ctx, g, links, deferred: list) -> tuple:
     """B of a split backward: the gradients of the op's inputs that are not parameters, now; a call
     computing the parameters' gradients appended to `deferred` (it keeps the saved arrays until then)."""
     if function.runs_after_weight_grads:  # an identity whose side effect waits for the weights
         deferred.append(lambda: function.backward(ctx, g))
         return (g,)
     needs = ctx.needs_input_grad
-    weights = tuple(n and isinstance(x, Tensor) and x.is_parameter for n, x in zip(needs, inputs))
+    # a parameter that requires grad is a leaf: its link is the parameter itself
+    weights = tuple(n and isinstance(x, Tensor) and x.is_parameter for n, x in zip(needs, links))
     if not any(weights):
         return _run_backward(function, ctx, g)
     ctx.needs_input_grad = tuple(n and not w for n, w in zip(needs, weights))
-    input_grads: tuple = (None,) * len(inputs)
+    input_grads: tuple = (None,) * len(links)
     if any(ctx.needs_input_grad):  # an embedding has only its weight's gradient: nothing to do now
         input_grads = function.backward(ctx, g)
         input_grads = input_grads if isinstance(input_grads, tuple) else (input_grads,)
@@ -262,7 +304,7 @@ def _backward_deferring_weights(function, ctx, g, inputs, deferred: list) -> tup
 
     def weight_grads():
         ctx.needs_input_grad = weights
-        for parent, pg, is_weight in zip(inputs, _run_backward(function, ctx, g), weights):
+        for parent, pg, is_weight in zip(links, _run_backward(function, ctx, g), weights):
             if is_weight and pg is not None:
                 _accumulate(parent, _output_cast(pg) if _output_cast is not None else pg)
 
@@ -270,25 +312,41 @@ def _backward_deferring_weights(function, ctx, g, inputs, deferred: list) -> tup
     return input_grads
 
 
-def _topological_order(root: Tensor) -> list[Tensor]:
-    """root and the tensors made by an op that root depends on, each after every tensor it depends on.
-    Leaves other than root are left out: backward accumulates into a leaf as soon as it meets it, and
-    a model's parameters are most of a graph's inputs."""
+def _topological_order(root: Node) -> list[Node]:
+    """root and the nodes root depends on, each after every node it depends on. Leaves are left out:
+    backward accumulates into a leaf as soon as it meets it, and a model's parameters are most of a
+    graph's inputs."""
     order, seen, stack = [], set(), [(root, False)]
     while stack:
-        tensor, children_done = stack.pop()
+        node, children_done = stack.pop()
         if children_done:
-            order.append(tensor)
+            order.append(node)
             continue
-        if tensor in seen:
+        if node in seen:
             continue
-        seen.add(tensor)
-        stack.append((tensor, True))
-        if tensor.node is not None:
-            for parent in tensor.node[2]:
-                if isinstance(parent, Tensor) and parent.node is not None and parent not in seen:
-                    stack.append((parent, False))
+        seen.add(node)
+        stack.append((node, True))
+        for link in node.next:
+            if link.__class__ is Node and link not in seen:
+                stack.append((link, False))
     return order
+
+
+class Node:
+    """One op of the graph, as backward sees it (PyTorch's grad_fn): the Function, its ctx (the arrays
+    it saved, the parameters it reads in backward) and, per argument, the link its gradient goes to:
+    the node of the op that made the argument, the argument itself if it is a leaf that requires grad
+    (the leaf is its own accumulation node: backward adds into its `.grad`), or None.
+
+    It keeps no argument's data: an intermediate array that no node saved is freed as soon as the
+    forward drops it, as in PyTorch."""
+
+    __slots__ = ("function", "ctx", "next")
+
+    def __init__(self, function: type[Function], ctx: Context, links: tuple):
+        self.function = function
+        self.ctx: Context | None = ctx
+        self.next = links
 
 
 class Context:
@@ -297,9 +355,10 @@ class Context:
     Its fields start as these class attributes (all immutable), with no `__init__` to run: one Python
     call less for every op of every step."""
 
-    inputs: tuple = ()  # the arguments the Function was applied to (Tensors and others)
+    # the arguments the Function reads as Tensors in backward (its `reads_in_backward`), None elsewhere
+    inputs: tuple = ()
     saved: tuple = ()
-    _saved_bytes = 0
+    _held: tuple = ()  # the buffers this ctx holds in the activation meter
     needs_input_grad: tuple[bool, ...] = ()
     recording = True  # False when no graph is recorded: then nothing saved is kept or counted
 
@@ -307,23 +366,31 @@ class Context:
         if not self.recording:  # a forward without a graph (no_grad, a recomputed block's first pass)
             return  # must not show its arrays to the meter even for an instant: peaks are exact
         self.saved = arrays
-        nbytes = 0
-        for a in arrays:  # a plain loop, not a generator: this runs for every op of every step
-            nbytes += getattr(a, "nbytes", 0)
-        self._saved_bytes = nbytes
-        activation_meter.add(nbytes)
+        self._held = activation_meter.hold(arrays)
+
+    def keep_inputs(self, args: tuple, indices: tuple[int, ...]):
+        """Keep the arguments at `indices` for backward as the Tensors they are: a parameter's `.data` is
+        read then (ZeRO-3 frees and re-gathers it between), as PyTorch's saved variable of a leaf. Not
+        counted: a kept argument is a parameter or an identity of one (sequence parallelism's weight
+        replicated on the piece), memory the ledger counts as parameters."""
+        kept = [None] * len(args)
+        for i in indices:
+            if i < len(args):
+                kept[i] = args[i]
+        self.inputs = tuple(kept)
 
     def release(self):
-        if self._saved_bytes:
-            activation_meter.release(self._saved_bytes)
-        self._saved_bytes = 0
+        if self._held:
+            activation_meter.let_go(self._held)
+        self._held = ()
         self.saved = ()
+        self.inputs = ()
 
     def __del__(self):
         # A graph dropped without backward (a forward with grad on, then the output discarded) frees
         # its saved arrays with it, as PyTorch's does: the meter must forget them too, or every later
         # reading (the memory ledger, an offload budget) would carry bytes that no longer exist.
-        if self._saved_bytes:
+        if self._held:
             self.release()
 
 
@@ -332,13 +399,19 @@ class Function:
 
     Subclasses define `forward(ctx, *args)` on raw arrays (non-array arguments pass through) and
     `backward(ctx, grad_output)` returning one gradient per positional argument (None where there
-    is none). Parameters are read through `ctx.inputs` in backward, never copied, so ZeRO-3 may
-    free and re-gather them between forward and backward.
+    is none). Arrays backward needs go through `ctx.save_for_backward` (counted), never as ctx
+    attributes. Parameters are read through `ctx.inputs` in backward, never copied, so ZeRO-3 may
+    free and re-gather them between forward and backward: a Function names their positions in
+    `reads_in_backward`, and its ctx keeps those arguments only.
     """
 
     # An identity whose backward has a side effect that needs the weights' gradients (a module's full
     # backward hook) says True: a split backward passes the gradient through and defers the effect.
     runs_after_weight_grads = False
+    reads_in_backward: tuple[int, ...] = ()  # the arguments backward reads as Tensors (parameters)
+    # A shape op (reshape, transpose, slicing) says True: its output holds its inputs' values, already
+    # cast, so mixed precision's cast is skipped (rounding twice changes no bit) and a view stays a view
+    moves_values_only = False
     # Each subclass defines both, as static methods: their signatures differ from one Function to the next.
     forward: Callable[..., object]
     backward: Callable[..., object]
@@ -346,21 +419,27 @@ class Function:
     @classmethod
     def apply(cls, *args):
         ctx = Context()
-        ctx.inputs = args
-        arrays, needs = [], []  # one pass over the arguments: this runs for every op of every step
+        arrays, needs, links = [], [], []  # one pass over the arguments: this runs for every op of every step
         for a in args:
-            tensor = isinstance(a, Tensor)
-            arrays.append(a.data if tensor else a)
-            needs.append(tensor and a.requires_grad)
+            if isinstance(a, Tensor):
+                arrays.append(a.data)
+                needs.append(a.requires_grad)
+                links.append((a.node or a) if a.requires_grad else None)
+            else:
+                arrays.append(a)
+                needs.append(False)
+                links.append(None)
         ctx.needs_input_grad = tuple(needs)
         needs_grad = _grad_enabled and True in needs
         ctx.recording = needs_grad
         out = cls.forward(ctx, *arrays)
-        if _output_cast is not None:
+        if _output_cast is not None and not cls.moves_values_only:
             out = _output_cast(out)
         result = Tensor(out, needs_grad)
         if needs_grad:
-            result.node = (cls, ctx, args)
+            if cls.reads_in_backward:
+                ctx.keep_inputs(args, cls.reads_in_backward)
+            result.node = Node(cls, ctx, tuple(links))
         else:
             ctx.release()
         return result

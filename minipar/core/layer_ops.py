@@ -138,21 +138,23 @@ class CrossEntropy(Function):
         sum_exp = exp.sum(axis=-1, keepdims=True)
         rows = xp.arange(len(targets))
         losses = xp.log(sum_exp[:, 0]) - shifted[rows, targets]
-        ctx.save_for_backward(exp / sum_exp)
-        ctx.targets, ctx.reduction = targets, reduction
+        ctx.save_for_backward(exp / sum_exp, _own(targets))
+        ctx.reduction = reduction
         total = losses.sum()
         return total / len(targets) if reduction == "mean" else total
 
     @staticmethod
     def backward(ctx, g):
-        (probs,) = ctx.saved
+        probs, targets = ctx.saved
         grad = probs.copy()
-        grad[xp_of(grad).arange(len(ctx.targets)), ctx.targets] -= 1
-        scale = g / len(ctx.targets) if ctx.reduction == "mean" else g
+        grad[xp_of(grad).arange(len(targets)), targets] -= 1
+        scale = g / len(targets) if ctx.reduction == "mean" else g
         return grad * scale, None, None
 
 
 class LayerNorm(Function):
+    reads_in_backward = (1,)  # the weight, its data read in backward (ZeRO-3 re-gathers it)
+
     @staticmethod
     def forward(ctx, x, weight, bias, eps=1e-5):
         xp = xp_of(x)
@@ -184,17 +186,26 @@ class LayerNorm(Function):
         # end exercise
 
 
+def _own(indices):
+    """The indices as an array of their own: a view of a larger batch (a micro-batch's rows, the ids
+    beside the targets) would keep the whole batch alive until backward, and the meter would count
+    it; the copy is the sb indices backward reads, allocated by this forward."""
+    return indices.copy() if getattr(indices, "base", None) is not None else indices
+
+
 class Embedding(Function):
     @staticmethod
     def forward(ctx, ids, weight):
-        ctx.ids, ctx.weight_shape = ids, weight.shape
+        ctx.save_for_backward(_own(ids))
+        ctx.weight_shape = weight.shape
         return weight[ids]
 
     @staticmethod
     def backward(ctx, g):
         xp = xp_of(g)
         grad = xp.zeros(ctx.weight_shape, dtype=g.dtype)
-        xp.add.at(grad, ctx.ids.reshape(-1), g.reshape(-1, g.shape[-1]))
+        (ids,) = ctx.saved
+        xp.add.at(grad, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
         return None, grad
 
 

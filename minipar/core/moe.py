@@ -88,14 +88,14 @@ class IndexAdd(Function):
 
     @staticmethod
     def forward(ctx, y, index, rows: int):
-        ctx.index = index
+        ctx.save_for_backward(index)
         out = xp_of(y).zeros((rows,) + y.shape[1:], dtype=y.dtype)
         xp_of(y).add.at(out, index, y)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        return g[ctx.index], None, None
+        return g[ctx.saved[0]], None, None
 
 
 class RoutingStats:
@@ -147,12 +147,12 @@ class AttachAuxLoss(Function):
 
     @staticmethod
     def forward(ctx, x, aux, routing: RoutingStats):
-        ctx.routing, ctx.aux_like = routing, aux
+        ctx.routing, ctx.aux_shape, ctx.aux_dtype = routing, aux.shape, aux.dtype  # no array kept
         return x
 
     @staticmethod
     def backward(ctx, g):
-        return g, xp_of(g).full_like(ctx.aux_like, ctx.routing.aux_grad), None
+        return g, xp_of(g).full(ctx.aux_shape, ctx.routing.aux_grad, ctx.aux_dtype), None
 
 
 class MoELayer(Module):

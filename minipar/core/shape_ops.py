@@ -12,6 +12,8 @@ from minipar.core.backend import xp_of
 
 
 class Reshape(Function):
+    moves_values_only = True
+
     @staticmethod
     def forward(ctx, a, shape):
         ctx.shape = a.shape
@@ -23,6 +25,8 @@ class Reshape(Function):
 
 
 class Transpose(Function):
+    moves_values_only = True
+
     @staticmethod
     def forward(ctx, a, axes=None):
         ctx.axes = axes
@@ -39,20 +43,25 @@ class Transpose(Function):
 class GetItem(Function):
     """Slicing and indexing; backward scatters (and adds, for repeated indices) into zeros."""
 
+    moves_values_only = True
+
     @staticmethod
     def forward(ctx, a, index):
-        ctx.shape, ctx.dtype, ctx.index = a.shape, a.dtype, index
+        ctx.shape, ctx.dtype = a.shape, a.dtype
+        ctx.save_for_backward(index)  # an index array is an activation like any other
         return a[index]
 
     @staticmethod
     def backward(ctx, g):
         xp = xp_of(g)
         grad = xp.zeros(ctx.shape, dtype=g.dtype)
-        xp.add.at(grad, ctx.index, g)
+        xp.add.at(grad, ctx.saved[0], g)
         return grad, None
 
 
 class Concatenate(Function):
+    moves_values_only = True
+
     @staticmethod
     def forward(ctx, axis, *arrays):
         ctx.axis, ctx.sizes = axis, [a.shape[axis] for a in arrays]

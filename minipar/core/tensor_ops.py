@@ -170,6 +170,8 @@ class Linear(Function):
     are the same; for some shapes (the GPT's 13-wide head) it runs its own loop, which adds in
     another order: the two then differ in the last bit."""
 
+    reads_in_backward = (1, 2)  # the weight (its data then: ZeRO-3 re-gathers it) and whether a bias
+
     @staticmethod
     def forward(ctx, x, weight, bias=None):
         ctx.save_for_backward(x)

@@ -235,6 +235,13 @@ def count_correct(correct, scored) -> int:
     return int(correct.sum())
 
 
+def own_pieces(inputs, microbatches: int) -> list:
+    """The micro-batches of `inputs`, each an array of its own: a piece the first layer saves for
+    backward (an MLP's Linear saves its input) must not keep the whole batch alive (and counted)
+    until its backward, as a view of it would; on a device the copy to it makes one anyway."""
+    return [piece.copy() for piece in np.array_split(inputs, microbatches)]
+
+
 class MicrobatchRunner(Runner):
     """Forward and backward micro-batch after micro-batch, on this rank's whole model."""
 
@@ -245,7 +252,7 @@ class MicrobatchRunner(Runner):
     def forward_backward(self, inputs, targets, normaliser: int, scored=None) -> float:
         total, to_device = 0.0, backend.current().from_host  # the batch is made on the host
         self.correct = 0
-        pieces = zip(np.array_split(inputs, self.microbatches), np.array_split(targets, self.microbatches),
+        pieces = zip(own_pieces(inputs, self.microbatches), np.array_split(targets, self.microbatches),
                      split_scored(scored, self.microbatches))
         for x, y, s in pieces:
             loss, correct = self.model.loss_and_correct(self.model(to_device(x)), to_device(y), normaliser)

@@ -36,7 +36,7 @@ from minipar.core.autograd import Tensor
 from minipar.core.hooks import HookList, RemovableHandle
 from minipar.core.nn import ModelOptions, Module
 from minipar.core.options import option
-from minipar.parallel.api import Runner, count_correct, split_scored
+from minipar.parallel.api import Runner, count_correct, own_pieces, split_scored
 from minipar.parallel.schedules import (
     SCHEDULES,
     V_SHAPED,
@@ -253,7 +253,7 @@ class PipelineRunner(Runner):
 
     def forward_backward(self, inputs, targets, normaliser: int, scored=None) -> float:
         """The summed loss of this batch on the last stage (0.0 on the others); grads accumulate."""
-        xs = np.array_split(inputs, self.microbatches)
+        xs = own_pieces(inputs, self.microbatches)
         ys = np.array_split(targets, self.microbatches)
         scored_pieces = split_scored(scored, self.microbatches)
         self.in_flight, self.deferred, self.pending_sends, self.loss_sum = {}, {}, [], 0.0

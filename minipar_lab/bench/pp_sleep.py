@@ -30,6 +30,8 @@ class Sleep(Function):
     """Identity that sleeps `cost` units forward, `cost` for the input's gradient and `cost` for the
     weight's (each only when asked: a split backward asks for them in B and W)."""
 
+    reads_in_backward = (1,)  # the weight, for its gradient's shape
+
     @staticmethod
     def forward(ctx, x, weight, cost, unit_s):
         ctx.cost, ctx.unit_s = cost, unit_s

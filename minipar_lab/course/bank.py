@@ -189,8 +189,7 @@ VOCAB_CE = """
         correct[:] = target_logit == 0
     exp = xp.exp(shifted)
     sum_exp = {sum_exp}
-    ctx.save_for_backward(exp / sum_exp[:, None])
-    ctx.target_rows, ctx.target_columns = rows[mine], local_target[mine]
+    ctx.save_for_backward(exp / sum_exp[:, None], mine, local_target)  # sb bytes and sb indices
     return (xp.log(sum_exp) - target_logit).sum()
 """
 

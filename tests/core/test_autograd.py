@@ -4,6 +4,8 @@ The op-by-op gradients are checked in test_functional.py; here the engine's own 
 small graphs whose gradients are known in closed form.
 """
 
+import weakref
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -42,6 +44,8 @@ class Cube(Function):
 
 class Scale(Function):
     """y = w * x with a parameter w read through ctx.inputs in backward, never saved."""
+
+    reads_in_backward = (1,)
 
     @staticmethod
     def forward(ctx, x, w):
@@ -171,7 +175,45 @@ def test_the_graph_is_freed_as_backward_goes():
     y = F.tanh(x)
     z = F.sum(y * y)
     z.backward()
-    assert z.node is None and y.node is None
+    assert z.node is None and y.node.ctx is None and y.node.next == ()  # nothing saved, no links
+
+
+def test_the_meter_counts_each_buffer_once_whoever_saves_it():
+    activation_meter.reset_peak()
+    start = activation_meter.current
+    x = leaf(0, (10, 8))  # 640 bytes in float64
+    square = x * x  # Mul saves x twice: one buffer
+    assert activation_meter.current - start == 640
+    first_row = x[0:1] * 2.0  # a view of x: the meter sees x's buffer, already held
+    assert activation_meter.current - start == 640
+    probs = F.softmax(square, axis=-1)  # saves its output (640 bytes)...
+    mixed = probs @ leaf(1, (8, 3))  # ...which the product saves again, with its 192-byte right side
+    assert activation_meter.current - start == 640 + 640 + 192
+    del first_row  # its graph goes, but x is still saved by Mul's node
+    assert activation_meter.current - start == 640 + 640 + 192
+    mixed.sum().backward()  # the last saver of each buffer lets go
+    assert activation_meter.current == start and activation_meter.peak - start == 640 + 640 + 192
+
+
+def test_a_saved_view_counts_its_whole_base():
+    start = activation_meter.current
+    head = (leaf(2, (10, 8)) + 1.0)[0:1]  # Add and GetItem (a slice) save nothing; head is a view
+    kept = head * leaf(3, (1, 8))  # Mul saves the view and its 64-byte right side
+    assert activation_meter.current - start == 640 + 64  # the view keeps its 640-byte base alive
+    del head
+    kept.sum().backward()
+    assert activation_meter.current == start
+
+
+def test_an_intermediate_no_node_saved_is_freed_when_the_forward_drops_it():
+    x = leaf(0, (4,))
+    doubled = (x + 1.0) * 2.0  # Add saves nothing, Mul its inputs (x + 1 and 2)
+    summed = F.sum(doubled)  # Sum saves nothing: nothing keeps `doubled`'s array but the name
+    doubled_array = weakref.ref(doubled.data)
+    del doubled
+    assert doubled_array() is None  # PyTorch's graph of nodes frees it too; a graph of tensors would not
+    summed.backward()
+    np.testing.assert_array_equal(x.grad, np.full(4, 2.0))
 
 
 def test_activation_meter_counts_bytes_saved_for_backward():

@@ -208,7 +208,7 @@ def test_two_ledgers_both_record_and_a_closed_one_stops():
         buffer_meter.add(50)
         tier_meter.set("optimizer", 9, "disk")
         x = leaf(np.ones(4))
-        y = x * x  # saves 2 x 32 bytes for backward
+        y = x * leaf(np.ones(4))  # saves two buffers of 32 bytes for backward
         buffer_meter.release(150)
     assert kept.held_peak["buffers"] == 150 and closed.held_peak["buffers"] == 100
     assert kept.current[("optimizer", "disk")] == 9 and closed.current[("optimizer", "disk")] == 7
