@@ -107,9 +107,11 @@ def find_submitted(submission: Path, path: str) -> Path:
                   f"workspace's layout ({path})")
 
 
-def copy_tree(reference: Path, into: Path) -> None:
+def copy_tree(reference: Path, into: Path, names: tuple[str, ...] = TREE) -> None:
+    """Copy the files and folders `names` of reference into `into`, without caches and build debris
+    (the graded tree; a student's workspace, with its own list)."""
     into.mkdir(parents=True, exist_ok=True)
-    for name in TREE:
+    for name in names:
         source = reference / name
         if source.is_dir():
             shutil.copytree(source, into / name, ignore=SKIPPED)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from minipar_lab.course.exercises import Exercise, stub_message
 from minipar_lab.course.regions import Region, regions_under, stub_text
+from minipar_lab.course.splice import copy_tree
 
 ROOT = Path(__file__).resolve().parents[2]  # the project this code belongs to: the reference
 COPIED = ("minipar", "minipar_lab", "tests", "lessons", "pyproject.toml", "Makefile", "README.md")
 MANIFEST = ".minipar-course.json"
-SKIPPED = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".pytest_cache", ".hypothesis")
 EXCERPT = re.compile(r"^```python excerpt (?P<path>\S+)\n(?P<body>.*?)^```$", re.MULTILINE | re.DOTALL)
 HIDDEN = "...\n"  # an excerpt of nothing: lessons/conftest.py still finds it in the file
 
@@ -59,13 +59,7 @@ def create(folder: Path, exercises: list[Exercise], root: Path = ROOT) -> list[s
     """Copy the project from root into folder and stub the exercises' regions; return the stubbed
     files, relative to the project root. Files already in folder are overwritten: `course new` refuses
     a folder that exists and is not empty before calling this."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in COPIED:
-        source = root / name
-        if source.is_dir():
-            shutil.copytree(source, folder / name, ignore=SKIPPED)
-        elif source.is_file():
-            shutil.copy2(source, folder / name)
+    copy_tree(root, folder, COPIED)
     messages = {exercise.id: stub_message(exercise) for exercise in exercises}
     regions = [region for region in regions_under(root) if region.exercise in messages]
     stubbed = sorted({region.path for region in regions})
