@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 import traceback
+
+from minipar.distributed.watchdog import end_job
 
 
 def install_excepthook() -> None:
@@ -26,12 +27,7 @@ def install_excepthook() -> None:
     def abort_job(kind, value, tb):
         rank = MPI.COMM_WORLD.Get_rank()
         text = "".join(traceback.format_exception(kind, value, tb))
-        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
-        sys.stderr.flush()
-        # mpiexec forwards our stderr through a pipe, and once told to abort it may tear the job
-        # down before reading what is still in it: about 1 traceback in 30 was lost without a pause.
-        time.sleep(0.2)
-        MPI.COMM_WORLD.Abort(1)
+        end_job("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()), 1)
 
     sys.excepthook = abort_job
 

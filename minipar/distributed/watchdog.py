@@ -6,7 +6,7 @@ aborts a collective running past a timeout, and this is the same. Every collecti
 of `Comm` (comm.py) runs inside `watching(comm, op)`, which writes down the operation, its
 communicator and the time it began; a daemon thread wakes a few times a second and, if the current
 wait began more than the timeout ago, writes one line naming the operation, the communicator and its
-world ranks, and ends the process (mpiexec then ends the others). mpi4py releases the GIL inside
+world ranks, and ends the whole job with MPI_Abort (`end_job`). mpi4py releases the GIL inside
 blocking MPI calls, so the thread runs while the main thread waits.
 
 Ctrl-C: Python runs a signal handler (KeyboardInterrupt) only in the main thread between bytecodes,
@@ -41,6 +41,7 @@ DEFAULT_TIMEOUT_S = 600.0
 TICK_S = 0.1  # how often the thread looks: a stall is noticed within a tick of the timeout
 STALL_EXIT = 75  # the process's code when a wait ran past the timeout: `minipar launch` restarts on it
 INTERRUPT_GRACE_S = 0.5  # Ctrl-C: how long the main thread has to raise KeyboardInterrupt itself
+ABORT_PAUSE_S = 0.3  # end_job: how long mpiexec has to forward the last line before the abort
 
 
 def timeout_from_env() -> float:
@@ -102,12 +103,12 @@ class Watchdog:
                 "stalled or died\n")
         for report in self.reporters:
             report(line)
-        end(line, STALL_EXIT)  # its own code (sysexits' EX_TEMPFAIL): a restart may cure it, unlike 1 or 2
+        end_job(line, STALL_EXIT)  # its own code (EX_TEMPFAIL): a restart may cure it, unlike 1 or 2
 
     def interrupted(self) -> None:
         time.sleep(INTERRUPT_GRACE_S)
         if self.current is not None:  # still blocked in MPI: KeyboardInterrupt cannot reach it
-            end(f"minipar train: interrupted (rank {self.rank})\n", 130)
+            end_rank(f"minipar train: interrupted (rank {self.rank})\n", 130)
 
     def unraisable(self, unraisable) -> None:
         """sys.unraisablehook while interrupts are caught. A Ctrl-C whose KeyboardInterrupt goes off in a
@@ -115,7 +116,7 @@ class Watchdog:
         ignored ... Traceback" and computes on: the rank ends here instead, in the main thread, with the
         one line. Any other unraisable exception goes to Python's own hook."""
         if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-            end(f"minipar train: interrupted (rank {self.rank})\n", 130)
+            end_rank(f"minipar train: interrupted (rank {self.rank})\n", 130)
         sys.__unraisablehook__(unraisable)
 
     def catch_interrupts(self) -> None:
@@ -128,10 +129,29 @@ class Watchdog:
             sys.unraisablehook = self.unraisable  # Python's documented hook for exceptions it cannot raise
 
 
-def end(line: str, code: int) -> None:
+def end_rank(line: str, code: int) -> None:
+    """Write `line` and end this process alone: Ctrl-C, which mpiexec passed to every rank."""
     sys.stderr.write(line)
     sys.stderr.flush()
-    os._exit(code)  # not MPI_Abort: its own lines would follow ours; mpiexec ends the other ranks
+    os._exit(code)
+
+
+def end_job(text: str, code: int) -> None:
+    """Write `text` and end every rank of the job, mpiexec exiting with `code`.
+
+    MPI_Abort, not this process's exit alone: Hydra's proxy ends the other ranks when a rank's PMI
+    socket closes unless it has already reaped that rank's exit status, and on a loaded machine it
+    sometimes has (a stopped rank then kept the job alive until MPIEXEC_TIMEOUT). The pause lets
+    mpiexec forward our stderr before the abort tears the job down (without it about 1 line in 30 was
+    lost); MPICH's own "Abort(75) on node 0 ..." line goes to /dev/null, so ours is the only one."""
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    MPI = sys.modules.get("mpi4py.MPI")  # never imported here: importing it starts MPI
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        time.sleep(ABORT_PAUSE_S)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
 
 
 WATCHDOG = Watchdog()

@@ -121,3 +121,32 @@ def test_a_deadlocked_multi_rank_test_names_itself_and_the_collective_on_the_ter
     line = ("minipar: error: rank 0 waited 3 s in all_reduce on communicator 'world' (world ranks [0, 1]), "
             "past --collective-timeout 3: a rank of it stalled or died")
     assert f"[rank 0] {node}: {line}" in output, output
+
+
+ENDING_SCRIPT = """
+import os, signal, subprocess, time
+from mpi4py import MPI
+from minipar.distributed import watchdog
+if MPI.COMM_WORLD.rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)  # stopped, as a hung rank is: only SIGKILL ends it
+time.sleep(0.3)
+# a child holding this rank's PMI socket open past its exit: Hydra's proxy reaps the rank's exit status
+# before it sees that socket close, the order a loaded machine gave at random
+subprocess.Popen(["sleep", "60"], pass_fds=[int(os.environ["PMI_FD"])], stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
+watchdog.end_job("the one line\\n", 75)
+"""
+
+
+def test_a_stall_ends_every_rank_of_the_job_even_when_mpiexec_reaps_the_ending_rank_first():
+    """end_job (a stall's end) takes the stopped rank 1 down with rank 0, and mpiexec exits with 75 and
+    the one line. Ending rank 0 alone (os._exit, as the watchdog did) relied on Hydra noticing its
+    PMI socket close before reaping it: CI once waited here until MPIEXEC_TIMEOUT (90 s), and with the
+    socket held open this job did every time."""
+    command = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2", sys.executable, "-c", ENDING_SCRIPT]
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "MPIEXEC_TIMEOUT": "60"})
+    seconds = time.monotonic() - started
+    assert result.returncode == 75 and seconds < pace.allowance(), (result.returncode, seconds, result.stderr)
+    assert result.stderr.splitlines() == ["the one line"], result.stderr
