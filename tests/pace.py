@@ -37,5 +37,8 @@ def job_seconds() -> float:
 
 def allowance(jobs: float = 3.0) -> float:
     """Seconds for `jobs` start-ups at this machine's pace (a loaded machine's pace moves between the
-    calibration and the test, hence more than one), and a few seconds more."""
-    return jobs * job_seconds() + 5.0
+    calibration and the test, hence more than one), times the pytest-xdist workers that share the
+    machine (make test runs the serial tests in two: the other may start an 8-rank job at any moment),
+    and a few seconds more."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return jobs * workers * job_seconds() + 5.0
