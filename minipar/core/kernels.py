@@ -11,7 +11,7 @@ removing it brings back the one before, in the end the plain form written at the
 What it saves: nothing by itself; it lets the bottom layer stay plain. What it costs: one dictionary
 look-up per call of a hot kernel. A form installed here must give the plain form's bits (the speed
 layer's tests prove each); `minipar train` installs them by default (minipar/speed/__init__.py says
-how to turn them off). Lesson: lessons/01_autograd.md ("The speed layer").
+how to turn them off). Lesson: lessons/01b_speed_appendix.md ("The speed layer").
 """
 
 from __future__ import annotations

@@ -19,5 +19,5 @@ distributed; it imports nothing but core.
 What it saves: about half of GELU's time, a few percent of AdamW's, a quarter of a small step's time
 in page faults, and with MKL up to a quarter of Linear's. What it costs: a second copy of each rule,
 kept equal to the first by tests/speed.
-Lesson: lessons/01_autograd.md ("The speed layer").
+Lesson: lessons/01b_speed_appendix.md ("The speed layer").
 """

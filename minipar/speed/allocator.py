@@ -1,4 +1,4 @@
-"""Keep freed memory: glibc's malloc set up the way a training loop wants it (lesson 01, "The speed layer").
+"""Keep freed memory: glibc's malloc set up the way a training loop wants it (appendix 01b, speed layer).
 
 The idea: a training step frees its activations at the end of backward and allocates the same sizes
 again in the next forward. By default glibc serves a large allocation with a fresh mapping and gives

@@ -14,7 +14,7 @@ different orders: the one form of the speed layer that does not give the plain f
 chosen only by option. Every layout runs the same library, so the exactness contract holds
 (tests/speed/test_blas.py). One BLAS thread per process, as with OpenBLAS. `use("mkl")` installs
 `matmul` as core's "matmul" kernel (core/kernels.py); `use("numpy")` removes it. Lesson:
-lessons/01_autograd.md ("The speed layer").
+lessons/01b_speed_appendix.md ("The speed layer").
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ code a student reads, or to rule the speed layer out when something looks wrong.
 products in its own order, so it is installed only when MINIPAR_BLAS=mkl asks for it, and not with
 MINIPAR_KERNELS=plain. Code that calls core's functions directly runs the plain forms.
 
-What it saves and costs: see rules.py, blas.py and allocator.py. Lesson: lessons/01_autograd.md
-("The speed layer").
+What it saves and costs: see rules.py, blas.py and allocator.py. Lesson:
+lessons/01b_speed_appendix.md ("The speed layer").
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ What it saves: GELU's backward makes about twenty arrays in its plain form, each
 and, at the wide GPT's sizes, fresh pages; here three. About half of GELU's time on the wide GPT's
 (16, 64, 1024) activations; AdamW's update, memory-bound inside a step, about 5%. What it costs: a
 second copy of each rule to keep equal to the first (the tests), and a Python loop step per tile.
-Installed into core's kernel table by install.py. Lesson: lessons/01_autograd.md ("The speed layer").
+Installed into core's kernel table by install.py. Lesson: lessons/01b_speed_appendix.md
+("The speed layer").
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ the two hot rules. Every element meets the same operations in the same order, so
 one call on the whole arrays (tests/speed/test_rules.py).
 
 What it saves: about half of GELU's time on the wide GPT's (16, 64, 1024) activations; AdamW's update,
-memory-bound inside a real step, only about 5% (lesson 01, "The speed layer"). What it costs: one
+memory-bound inside a real step, only about 5% (appendix 01b, "The speed layer"). What it costs: one
 Python loop step per tile (tiles are not tiny for that reason), and nothing at all below one tile.
 LayerNorm and softmax are not tiled: the default GPT's arrays are under a tile, and on the wide GPT
 LayerNorm in row tiles, tried, ran faster alone but made no faster step.
 On a GPU (CuPy arrays) each rule runs on the whole arrays: there is no cache to fit. Lesson:
-lessons/01_autograd.md.
+lessons/01b_speed_appendix.md.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ minipar's in alternating rounds, on the default and a wide GPT (d 256, seq 64), 
 one thread; its first loss is checked against minipar's so that the two really compute the same step.
 In the same rounds the GPT's Linear products alone are timed through NumPy's BLAS and PyTorch's
 (torch_gpt.LinearProducts): the part of the gap that is the BLAS library's, and what is left, the
-ratio of everything else. Without PyTorch the bench says so in one line. Lesson: lessons/01_autograd.md.
+ratio of everything else. Without PyTorch the bench says so in one line.
+Lesson: lessons/01b_speed_appendix.md.
 
     python -m minipar bench autograd [--batch 256] [--width 512] [--layers 4] [--repeats 30]
                                      [--torch-repeats 7] [--no-torch] [--json]

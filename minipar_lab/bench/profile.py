@@ -15,8 +15,8 @@ With --torch (PyTorch installed: an optional extra, never in `make setup` nor CI
 same GPT written in PyTorch (bench/torch_gpt.py: minipar's weights, AdamW) runs under PyTorch's own
 profiler, and the operations of both are set side by side, each row minipar's Functions against the
 ATen kernels that do the same work (AGAINST_TORCH), the rest of each profiled step below them: where
-the one-process gap to PyTorch is (lesson 1, "Against PyTorch"). Both profilers add their own cost:
-cProfile to every Python call, PyTorch's to every kernel. Lesson: lessons/01_autograd.md.
+the one-process gap to PyTorch is (appendix 01b, "Against PyTorch"). Both profilers add their own cost:
+cProfile to every Python call, PyTorch's to every kernel. Lesson: lessons/01b_speed_appendix.md.
 
     python -m minipar bench profile [--model default|wide] [--dtype float64|float32] [--batch 16]
                                     [--recompute none|selective|full] [--repeats 10] [--top 12]

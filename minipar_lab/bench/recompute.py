@@ -10,8 +10,8 @@ forward once more and should cost about that much more. The minor page faults of
 the kernel hands out) show what else differs between the modes: under glibc's defaults
 (MINIPAR_SYSTEM_MALLOC=1; the command line otherwise keeps freed memory, speed/allocator.py) malloc
 returns a freed large block to the kernel, so a mode that keeps more activations also touches more
-fresh pages each step (lessons/01_autograd.md measures it both ways).
-Lesson: lessons/01_autograd.md.
+fresh pages each step (lessons/01b_speed_appendix.md measures it both ways).
+Lesson: lessons/01_autograd.md (recomputation), lessons/01b_speed_appendix.md (its cost, measured).
 
     python -m minipar bench recompute [--seq-len 32] [--batch 16] [--precision fp32] [--repeats 15] [--json]
 """

@@ -11,9 +11,9 @@ One way of timing for all of them, so that their figures can be set side by side
             ratios, far steadier on a busy machine than the quotient of two medians taken one after
             the other. Each round takes its works in a new order (shuffled, seeded): a work leaves
             its arrays in the cache and its freed blocks in malloc for the next one, and a work that
-            always followed the same other one would carry that in its figures (lesson 01 measures
-            minipar's step of ShallowSpeed's MLP 1.3-1.5% slower right after the hand-written step
-            than right after itself).
+            always followed the same other one would carry that in its figures (`bench autograd`
+            measured minipar's step of ShallowSpeed's MLP 1.3-1.5% slower right after the
+            hand-written step than right after itself; appendix 01b).
   ranks     each process of an mpiexec run gets one BLAS thread: a rank stands for one device, and
             ranks sharing cores with their own thread pools would measure oversubscription.
   spread    a table shows a median with half the interquartile range of what it is the median of

@@ -4,7 +4,8 @@ PyTorch is an optional extra: nothing here imports it until a step is built, and
 says in one line why the comparison cannot run. The PyTorch model reads minipar's weights by name,
 so both start from the same numbers; it is written with torch.nn.functional, op for op as minipar's
 nn.GPT (pre-LayerNorm blocks, no key bias, tanh GELU, untied embeddings, summed cross-entropy over
-the token count), trained with torch.optim.AdamW at minipar's defaults. Lesson: lessons/01_autograd.md.
+the token count), trained with torch.optim.AdamW at minipar's defaults.
+Lesson: lessons/01b_speed_appendix.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`bench profile` splits one step of the default GPT into phases and operations. Its call counts are
-checked against the architecture counted by hand; its times are not asserted (lesson 1 quotes a run)."""
+checked against the architecture counted by hand; its times are not asserted (appendix 01b quotes a run)."""
 
 import json
 import subprocess

@@ -1,5 +1,5 @@
 """`python -m minipar bench NAME`: every name runs its own file's main, a bad name is a one-line error,
-and the autograd benchmark reports what it measured. (Timings are not asserted: lesson 1's figures
+and the autograd benchmark reports what it measured. (Timings are not asserted: appendix 01b's figures
 come from running the benchmark.)"""
 
 import importlib
