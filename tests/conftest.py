@@ -48,7 +48,7 @@ settings.load_profile("minipar")
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     mpi_harness.keep_terminal_stderr()
-    watchdog.WATCHDOG.reporters.append(mpi_harness.report_collective_stall)  # the test, on the terminal
+    watchdog.WATCHDOG.add_reporter(mpi_harness.report_collective_stall)  # the test, on the terminal
     if WORLD.rank > 0:
         # The terminal reporter takes sys.stdout when it is created, right after this hook.
         sys.stdout = open(os.devnull, "w")

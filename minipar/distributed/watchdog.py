@@ -36,6 +36,8 @@ import sys
 import threading
 import time
 
+from minipar.core.hooks import HookList, RemovableHandle
+
 TIMEOUT_ENV = "MINIPAR_COLLECTIVE_TIMEOUT"  # the default of --collective-timeout (tests set ~30 s)
 DEFAULT_TIMEOUT_S = 600.0
 TICK_S = 0.1  # how often the thread looks: a stall is noticed within a tick of the timeout
@@ -63,7 +65,8 @@ def timeout_from_env() -> float:
 
 class Watchdog:
     """The one wait in progress on this process's main thread, and the thread that watches it.
-    `reporters`: callables given the stall's line before the process ends (tests/mpi_harness.py's)."""
+    `add_reporter(report)`: `report(line)` is called with the stall's line before the job ends (the test
+    harness's terminal, --trace's file); it returns the handle that takes it out again."""
 
     def __init__(self):
         try:
@@ -76,7 +79,10 @@ class Watchdog:
         self.interrupts: int | None = None  # the pipe the C-level signal handler writes to
         # where the line goes too, before the process ends: a test harness whose pytest captures
         # stderr (into a file os._exit never shows) gives the terminal, and says which test it was
-        self.reporters: list = []
+        self.reporters = HookList()
+
+    def add_reporter(self, report) -> RemovableHandle:
+        return self.reporters.add(report)
 
     def start(self, rank: int) -> None:
         if self.thread is None:
@@ -101,8 +107,7 @@ class Watchdog:
         line = (f"minipar: error: rank {self.rank} waited {waited:.0f} s in {op} on communicator {name!r} "
                 f"(world ranks {ranks}), past --collective-timeout {self.timeout_s:g}: a rank of it "
                 "stalled or died\n")
-        for report in self.reporters:
-            report(line)
+        self.reporters.call_all(line)
         end_job(line, STALL_EXIT)  # its own code (EX_TEMPFAIL): a restart may cure it, unlike 1 or 2
 
     def interrupted(self) -> None:

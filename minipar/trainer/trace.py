@@ -202,8 +202,7 @@ class Trace:
         self.handles = [world.ledger.subscribe(recorder), memory.subscribe(recorder.memory_changed),
                         engine.register_phase_hook(recorder.phase),
                         engine.runner.register_action_hook(recorder.action),
-                        move_meter.subscribe(recorder.moved)]
-        WATCHDOG.reporters.append(self.stalled)
+                        move_meter.subscribe(recorder.moved), WATCHDOG.add_reporter(self.stalled)]
 
     def shift(self) -> float:
         return self.offset - self.origin
@@ -215,8 +214,6 @@ class Trace:
     def stop(self) -> None:
         for handle in self.handles:
             handle.remove()
-        if self.stalled in WATCHDOG.reporters:
-            WATCHDOG.reporters.remove(self.stalled)
 
     def stalled(self, line: str) -> None:
         """The watchdog is ending this rank (a collective stalled): no merge will happen, so the rank

@@ -243,6 +243,7 @@ def test_without_trace_nothing_listens_and_a_trace_leaves_no_listener_behind(tmp
     on = train.Trainer(cfg.replace(trace=str(tmp_path / "t"), steps=2, zero=3, offload="cpu",
                                    device_mem_mb=1.0), MPI.COMM_SELF)
     assert len(on.world.ledger.listeners) == len(on.memory.listeners) == len(move_meter.listeners) == 1
+    assert on.trace.stalled in watchdog.WATCHDOG.reporters
     on.trace.stalled("minipar: error: rank 0 waited 31 s in all_reduce ...\n")  # what the watchdog calls
     alone = json.loads((tmp_path / "t" / "trace-rank-0.json").read_text())  # the rank's own, as it ends
     assert format_problems(alone) == [] and alone["traceEvents"][-1]["name"].startswith("watchdog: ")
