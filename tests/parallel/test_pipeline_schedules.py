@@ -157,6 +157,26 @@ def test_v_schedules_with_zero_1_on_dp_2_pp_2(schedule, microbatches):
     run_in_groups(cfg)
 
 
+@needs_world_size(4)
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule, model, changes", [
+    ("zb-v", "gpt", {"tp": 2}), ("dualpipev", "gpt", {"tp": 2}),
+    ("zb-v", "moe", {"dp": 2, "ep": 2}), ("dualpipev", "moe", {"dp": 2, "ep": 2})])
+def test_v_schedules_with_tp_2_and_with_ep_2(schedule, model, changes):
+    """The V's chunks under tensor parallelism (a chunk's all-reduces inside its F, B and W) and under
+    expert parallelism (a chunk's all-to-alls, inside DualPipeV's F&B too): the single process's losses
+    and weights, 1e-9, and every rank's log shows the tp or ep bytes beside the pipeline's."""
+    microbatches = 4
+    dp = changes.get("dp", 1)
+    # 4 blocks for the V's 4 chunks: every rank holds blocks, so every rank's log shows the tp or ep bytes
+    cfg = TrainConfig(model=model, pp=2, microbatches=microbatches, schedule=schedule, precision="fp64",
+                      steps=2, batch_size=dp * microbatches, seq_len=6, n_layer=4, n_head=2, d_model=8,
+                      seed=7, quiet=True, **{"dp": 1, **changes})
+    _, records = run_in_groups(cfg)
+    dims = records[-1]["comm"]["by_dim"]
+    assert dims["pp"] > 0 and dims.get("tp" if "tp" in changes else "ep", 0) > 0, dims
+
+
 def test_v_stage_holds_chunks_s_and_2k_minus_1_minus_s():
     names = [build_stage(MLPNet(MLPConfig(d_hidden=8, n_layer=4), seed=None), 2, s, 2, "v").chunk_units
              for s in range(2)]
