@@ -57,8 +57,9 @@ Sources, each checked here against the text named:
   formula), N = Table 1's non-embedding parameters + the untied embedding and head, 2·V·h, V padded
   to 50304, 50432, 50688 (multiples of 128·tp): 2,775,208,960, 6,857,302,016 and 11,846,072,320.
   Nothing overlapped (pipe-parallel-size 1: the PipelineEngine, as above). The cluster is not named;
-  rule: AWS p4d.24xlarge (8 A100-40GB and 400 Gb/s of EFA a node), because the configs read from
-  `/fsx/` (Amazon FSx for Lustre) and the paper thanks Stability AI for the compute.
+  rule: AWS p4d.24xlarge (8 A100-40GB a node, AWS's instance table; 400 Gb/s of EFA a node, AWS's
+  figure for the instance, not found in a page read here), because the configs read from `/fsx/`
+  (Amazon FSx for Lustre) and the paper thanks Stability AI for the compute.
 """
 
 from __future__ import annotations
