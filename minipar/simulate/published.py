@@ -42,8 +42,10 @@ Sources, each checked here against the text named:
   `train_batch_size * seq_length * (total_params * 6 + seq_length * hidden_size * num_layers * 60)
   / (iter_time_s * world_size)` with N = 20,556,201,984 parameters (the model card). Nothing
   overlapped: with pipe-parallel-size >= 1 GPT-NeoX runs DeepSpeed's PipelineEngine
-  (arguments.py: `is_pipe_parallel = pipe_parallel_size >= 1`), which reduces the gradients after
-  the last micro-batch, whatever the config's `overlap_comm`.
+  (arguments.py: `is_pipe_parallel = pipe_parallel_size >= 1`), whose TrainSchedule issues
+  ReduceGrads after the last micro-batch, an all-reduce (`buffered_allreduce_fallback`,
+  deepspeed/runtime/pipe/ of github.com/EleutherAI/DeeperSpeed at v1.0); `overlap_comm` acts at
+  ZeRO-2 only. Not modelled: ZeRO-1's all-gather of the updated parameters after it.
 - Pythia 2.8B, 6.9B and 12B (Biderman et al. 2023, arXiv 2304.01373, trained with GPT-NeoX v1.0:
   the gpt-neox README): Appendix D, "Training Hardware and GPU hours", Table 5: 64, 128 and 256
   GPUs, 14,240, 33,500 and 72,300 GPU-hours, "calculated via (iteration time (s) x number of
