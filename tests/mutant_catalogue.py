@@ -37,6 +37,14 @@ PLACEMENT_TESTS = ("tests/parallel/test_placements.py",)
 FSDP_TESTS = ("tests/parallel/test_fsdp.py",)
 
 MUTANTS = [
+    # ---- issue 44: Pythia's runs among the published ones ----
+    Mutant("published-pythia-step-not-per-gpu", "minipar/simulate/published.py",
+           "gpu_hours * 3600 / (PYTHIA_STEPS * gpus)", "gpu_hours * 3600 / PYTHIA_STEPS"),
+    Mutant("published-pythia-on-the-20b-network", "minipar/simulate/published.py",
+           '"p4d": lambda: machine("a100-40gb", inter_bandwidth=5.375e9)',
+           '"p4d": lambda: machine("a100-40gb", inter_bandwidth=10.75e9)'),
+    Mutant("published-neox-flops-the-20b-parameters", "minipar/simulate/published.py",
+           "6 * parameters + 60 * m.seq_len", "6 * 20_556_201_984 + 60 * m.seq_len"),
     # ---- issue 47: placements on a device mesh, FSDP2 and hybrid sharding ----
     Mutant("placements-gather-keeps-the-padding", "minipar/parallel/placements.py",
            "    return xp.moveaxis(gathered[:n], 0, dim)", "    return xp.moveaxis(gathered, 0, dim)",

@@ -35,10 +35,33 @@ Sources, each checked here against the text named:
   block fewer). TFLOP/s by eq. 3 of Narayanan et al. (the 96 form; math/README.md of the same
   repository, "Calculate TFLOPs").
 - GPT-NeoX-20B (Black et al. 2022, arXiv 2204.06745: 117 TFLOP/s per GPU, as quoted to this
-  project, not rechecked here; 12 nodes of 8 A100-40GB, 4 HDR InfiniBand adapters per node; shape and
-  layout from configs/20B.yml at tag v1.0 of github.com/EleutherAI/gpt-neox): tp 2, pp 4, micro-batch
-  4, 32 micro-batches, full recomputation, fp16, ZeRO-1. Its FLOP formula (megatron/logging.py's
-  get_flops at v1.0): B·s·(6N + 60·s·h·L) with N = 20,556,201,984 parameters (the model card).
+  project: the paper's own text could not be read here, so the figure stays unchecked; 12 nodes of 8
+  A100-40GB, 4 HDR InfiniBand adapters per node; shape and layout from configs/20B.yml at tag v1.0 of
+  github.com/EleutherAI/gpt-neox, checked): tp 2, pp 4, micro-batch 4, 32 micro-batches, full
+  recomputation, fp16, ZeRO-1. Its FLOP formula (megatron/logging.py's get_flops at v1.0, checked):
+  `train_batch_size * seq_length * (total_params * 6 + seq_length * hidden_size * num_layers * 60)
+  / (iter_time_s * world_size)` with N = 20,556,201,984 parameters (the model card). Nothing
+  overlapped: with pipe-parallel-size >= 1 GPT-NeoX runs DeepSpeed's PipelineEngine
+  (arguments.py: `is_pipe_parallel = pipe_parallel_size >= 1`), whose TrainSchedule issues
+  ReduceGrads after the last micro-batch, an all-reduce (`buffered_allreduce_fallback`,
+  deepspeed/runtime/pipe/ of github.com/EleutherAI/DeeperSpeed at v1.0); `overlap_comm` acts at
+  ZeRO-2 only. Not modelled: ZeRO-1's all-gather of the updated parameters after it.
+- Pythia 2.8B, 6.9B and 12B (Biderman et al. 2023, arXiv 2304.01373, trained with GPT-NeoX v1.0:
+  the gpt-neox README): Appendix D, "Training Hardware and GPU hours", Table 5: 64, 128 and 256
+  GPUs, 14,240, 33,500 and 72,300 GPU-hours, "calculated via (iteration time (s) x number of
+  iterations x number of GPUs / 3600 s/hour). All GPUs are A100s with 40GB of memory." (the
+  appendix's text read in an extracted copy of the paper, whose Table 5 is an image; its digits as
+  a public transcription of the arXiv text gives them). So a step took GPU-hours x 3600 /
+  (143,000 x GPUs) s: 143,000 iterations of 1024 sequences of 2048 (train-iters and the layout in
+  models/<size>/pythia-<size>.yml of github.com/EleutherAI/pythia): tp 1, 2, 4, pp 1, micro-batch
+  16, 8, 8 with 1, 2, 2 accumulation steps, full recomputation, fp16, ZeRO-1, flash attention.
+  The figure is that step time put in get_flops (the error is the step times' ratio whatever the
+  formula), N = Table 1's non-embedding parameters + the untied embedding and head, 2·V·h, V padded
+  to 50304, 50432, 50688 (multiples of 128·tp): 2,775,208,960, 6,857,302,016 and 11,846,072,320.
+  Nothing overlapped (pipe-parallel-size 1: the PipelineEngine, as above). The cluster is not named;
+  rule: AWS p4d.24xlarge (8 A100-40GB a node, AWS's instance table; 400 Gb/s of EFA a node, AWS's
+  figure for the instance, not found in a page read here), because the configs read from `/fsx/`
+  (Amazon FSx for Lustre) and the paper thanks Stability AI for the compute.
 """
 
 from __future__ import annotations
@@ -54,11 +77,12 @@ from minipar.simulate.step import Layout, simulate_step
 # the clusters: a GPU preset and what differs from it. Jean Zay: 4 Omni-Path links of 100 Gb/s per
 # node of 8 GPUs, 6.25 GB/s each way per GPU, taken at the 86% NCCL reaches on InfiniBand
 # (machines.py): 5.375. The GPT-NeoX cluster: 4 HDR adapters (200 Gb/s) per node of 8, 12.5 GB/s per
-# GPU, at 86%: 10.75.
+# GPU, at 86%: 10.75. AWS p4d: 400 Gb/s of EFA per node of 8, 6.25 GB/s per GPU, at the same 86%: 5.375.
 CLUSTERS: dict[str, Callable[[], Machine]] = {
     "selene": lambda: machine("a100-80gb"),
     "jean-zay": lambda: machine("a100-80gb", inter_bandwidth=5.375e9),
     "neox": lambda: machine("a100-40gb", inter_bandwidth=10.75e9),
+    "p4d": lambda: machine("a100-40gb", inter_bandwidth=5.375e9),
     "h100": lambda: machine("h100-80gb"),
 }
 
@@ -78,9 +102,15 @@ class PublishedRun:
 KINDS = ("megatron-2022", "megatron-core", "bloom", "gpt-neox")
 
 
-def neox_flops(m: ModelShape, sequences: int) -> float:
-    """GPT-NeoX v1.0's get_flops: B·s·(6N + 60·s·h·L), N the 20B model's parameters."""
-    return sequences * m.seq_len * (6 * 20_556_201_984 + 60 * m.seq_len * m.d_model * m.n_layer)
+def neox_flops_of(parameters: int) -> Callable[[ModelShape, int], float]:
+    """GPT-NeoX v1.0's get_flops for a model of N = `parameters`: B·s·(6N + 60·s·h·L)."""
+    def flops(m: ModelShape, sequences: int) -> float:
+        return sequences * m.seq_len * (6 * parameters + 60 * m.seq_len * m.d_model * m.n_layer)
+    return flops
+
+
+neox_flops = neox_flops_of(20_556_201_984)  # GPT-NeoX-20B's (the model card)
+PYTHIA_STEPS = 143_000  # train-iters of every Pythia config
 
 
 def megatron_2021_flops(m: ModelShape, sequences: int) -> float:
@@ -113,6 +143,16 @@ def _bloom(name, h, layers, heads, dp, tp, microbatch, tflops) -> PublishedRun:
                         tflops, "tflops", megatron_2021_flops)
 
 
+def _pythia(name, layers, h, heads, vocab, tp, accumulation, gpus, gpu_hours, parameters) -> PublishedRun:
+    dp = gpus // tp
+    layout = Layout(1024, microbatches=accumulation, dp=dp, tp=tp, zero=1, recompute="full",
+                    precision="fp16", flash_attention=True)
+    shape, flops = ModelShape(layers, h, heads, 2048, vocab), neox_flops_of(parameters)
+    step_s = gpu_hours * 3600 / (PYTHIA_STEPS * gpus)  # Table 5's GPU-hours, back to one iteration
+    tflops = flops(shape, layout.batch_size) / (step_s * gpus) / 1e12
+    return PublishedRun(name, "gpt-neox", shape, layout, "p4d", tflops, "tflops", flops)
+
+
 RUNS = [
     _megatron_2022("mlm22-22b", 64, 6144, 48, 1, 8, 4, 4, 41.5),
     _megatron_2022("mlm22-175b", 96, 12288, 96, 8, 64, 64, 1, 51.4),
@@ -138,6 +178,10 @@ RUNS = [
     PublishedRun("neox-20b", "gpt-neox", ModelShape(44, 6144, 64, 2048, 50432),
                  Layout(1536, microbatches=32, dp=12, tp=2, pp=4, zero=1, recompute="full", precision="fp16"),
                  "neox", 117.0, "tflops", neox_flops),
+    # Pythia: (blocks, width, heads, padded vocabulary, tp, accumulation, GPUs, GPU-hours, N)
+    _pythia("pythia-2.8b", 32, 2560, 32, 50304, 1, 1, 64, 14_240, 2_775_208_960),
+    _pythia("pythia-6.9b", 32, 4096, 32, 50432, 2, 2, 128, 33_500, 6_857_302_016),
+    _pythia("pythia-12b", 36, 5120, 40, 50688, 4, 2, 256, 72_300, 11_846_072_320),
 ]
 
 
