@@ -1,4 +1,4 @@
-# minipar: make test | make demo | make bench | make figures | make lint | make lessons | make portability | make multinode | make course-selftest | make mutants | make kill-campaign
+# minipar: make test | make demo | make bench | make figures | make lint | make lessons | make portability | make multinode | make course-selftest | make mutants | make kill-campaign | make trace-viewer
 # Every target builds .venv first if needed, and reinstalls only when pyproject.toml changed.
 
 SHELL := /bin/bash
@@ -25,7 +25,7 @@ export MPIR_CVAR_ENABLE_HEAVY_YIELD ?= 1
 START := $(shell date +%s)
 say = echo "[make] $(1): $$(( $$(date +%s) - $(2) )) s"
 
-.PHONY: test demo bench figures lint lessons portability setup multinode course-selftest mutants kill-campaign
+.PHONY: test demo bench figures lint lessons portability setup multinode course-selftest mutants kill-campaign trace-viewer
 
 setup: $(INSTALLED)
 
@@ -96,10 +96,24 @@ kill-campaign: $(INSTALLED)
 	@t=$$(date +%s); $(PYTHON) tests/kill_campaign.py $(if $(KILLS),--kills $(KILLS)); s=$$?; \
 	  $(call say,kill campaign,$$t); exit $$s
 
+# A trace of make demo's layout (2 steps, 8 ranks) opened in a real viewer, offline: speedscope (npm; its
+# package ships the built web app) in Debian's headless Chromium must import it without a warning about
+# nesting; the screenshot is lesson 07's lessons/figures/07_trace_speedscope.png (tests/trace_viewer.py).
+# Installs both on first use (speedscope into build/viewer, chromium by apt-get as root); never make test.
+VIEWER_DIR := build/viewer
+SPEEDSCOPE := speedscope@1.25.0
+trace-viewer: $(INSTALLED)
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y chromium; } || \
+	  { echo "make trace-viewer: needs Debian's chromium: apt-get install -y chromium (as root)"; exit 2; }
+	@[ -f $(VIEWER_DIR)/node_modules/speedscope/package.json ] || \
+	  npm install --no-audit --no-fund --prefix $(VIEWER_DIR) $(SPEEDSCOPE)
+	@t=$$(date +%s); $(PYTHON) tests/trace_viewer.py; s=$$?; $(call say,trace viewer,$$t); exit $$s
+
 bench: $(INSTALLED)
 	$(PYTHON) -m minipar bench all
 
-# Every picture the lessons embed, redrawn from short fresh runs (minipar_lab/plot; under a minute).
+# Every picture the lessons embed, redrawn from short fresh runs (minipar_lab/plot; under a minute), but
+# lesson 07's screenshot of a trace in a viewer: make trace-viewer takes it.
 figures: $(INSTALLED)
 	@t=$$(date +%s); $(PYTHON) -m minipar plot all --out lessons/figures; s=$$?; \
 	  $(call say,figures,$$t); exit $$s

@@ -82,6 +82,15 @@ MUTANTS = [
            tests=(TRACE_TESTS,)),
     Mutant("trace-nesting-check-longer-span-second", "minipar/trainer/trace_summary.py",
            "key=lambda s: (s[0], -s[1])", "key=lambda s: (s[0], s[1])", tests=(TRACE_TESTS,)),
+    # make demo's layout traced on 8 ranks: names, bubbles and bytes where tp, pp and dp are all > 1
+    Mutant("trace-process-name-swaps-pp-and-tp", "minipar/trainer/trace.py",
+           "    dp, pp, tp, cp = coords", "    dp, tp, pp, cp = coords", tests=(TRACE_TESTS,), ranks=(8,)),
+    Mutant("trace-summary-bubble-pipelines-ignore-tp", "minipar/trainer/trace_summary.py",
+           "pipelines[dp, tp, cp].append(pid)", "pipelines[dp, 0, cp].append(pid)",
+           tests=(TRACE_TESTS,), ranks=(8,)),
+    Mutant("trace-every-rank-named-by-rank-0s-coords", "minipar/trainer/trace.py",
+           "events += metadata_events(rank, coords,", "events += metadata_events(rank, gathered[0][2],",
+           tests=(TRACE_TESTS,), ranks=(8,)),
     # ---- issue 41: the bugs the third round's new tests were written to catch ----
     Mutant("moe-capacity-float", "minipar/core/moe.py",
            "factor = Fraction(repr(float(self.capacity_factor)))", "factor = self.capacity_factor",

@@ -133,7 +133,8 @@ def traced_run(tmp_path, **layout) -> tuple[dict, list[list[dict]], float]:
     the seconds the run took (elsewhere: None)."""
     world = MPI.COMM_WORLD
     folder = world.bcast(str(tmp_path / "trace") if world.Get_rank() == 0 else None, root=0)
-    cfg = TrainConfig(steps=2, batch_size=4, seq_len=16, precision="fp64", trace=folder, quiet=True, **layout)
+    cfg = TrainConfig(**{"steps": 2, "batch_size": 4, "seq_len": 16, "precision": "fp64", "trace": folder,
+                         "quiet": True, **layout})
     started = time.perf_counter()
     records = train.train(cfg)
     wall = time.perf_counter() - started
@@ -188,6 +189,33 @@ def test_pipeline_trace_is_valid_and_its_figures_are_the_logs(tmp_path):
         # memory: the counters' peaks are the memory ledger's
         assert mine["memory_peak"]["activations"] == max(r["mem"]["activations_peak"] for r in records)
         assert mine["memory_peak"]["params"] == max(r["mem"]["params"] for r in records) > 0
+
+
+@needs_world_size(8)
+@mpi_test
+def test_make_demos_3d_layout_traces_every_rank_and_its_bytes_and_bubble_are_the_logs(tmp_path):
+    """`make demo`'s layout (dp 2 x pp 2 x tp 2, ZeRO-1, 4 micro-batches) on a tiny GPT: the merged
+    trace keeps the format's rules, names all 8 ranks, and from it alone each rank's bytes per dimension
+    are its traffic ledger's and each step's bubble is its pipeline's `bubble_measured`."""
+    trace, every, _ = traced_run(tmp_path, dp=2, pp=2, tp=2, zero=1, microbatches=4, batch_size=8,
+                                 seq_len=8, d_model=16, n_layer=2, n_head=2)
+    if not trace:
+        return
+    assert format_problems(trace) == []
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] != "M"} == set(range(8)) == set(names)
+    # the grid numbers tp fastest, then pp, then dp (lesson 07): rank 5 is dp 1, pp 0, tp 1
+    assert names[5] == "rank 5 (dp 1, pp 0, tp 1, cp 0)"
+    figures = summary(trace)["ranks"]
+    for rank, records in enumerate(every):
+        sent = sum_of(records, "by_dim")
+        assert figures[rank]["bytes_by_dim"] == sent and all(sent[dim] > 0 for dim in ("dp", "tp", "pp"))
+        # each action's edges and the makespan's two are rounded down to a microsecond (see above)
+        for bubble, record in zip(figures[rank]["bubble"], records, strict=True):
+            timing = record["pipeline"]
+            n = sum(len(stage) for stage in timing["stage_action_times_s"])
+            allowed = (n + 2 * 2) * US / (2 * timing["makespan_s"])
+            assert abs(bubble - timing["bubble_measured"]) <= allowed, (bubble, timing["bubble_measured"])
 
 
 def sum_of(records: list[dict], key: str) -> dict:
