@@ -1,0 +1,53 @@
+"""`bench saved` (minipar_lab/bench/saved.py): the bytes one GPT forward saves for backward, minipar's
+beside PyTorch's. Without PyTorch (as in CI) the bench refuses in one line; with it, PyTorch's count is
+checked on a graph counted by hand, and minipar saves at most PyTorch's bytes in every case."""
+
+import pytest
+
+from minipar.core import nn
+from minipar_lab.bench import saved
+
+
+def test_without_pytorch_the_bench_is_one_line_and_exit_2_before_measuring(monkeypatch, capsys):
+    monkeypatch.setattr(saved.torch_gpt, "unavailable", lambda: "PyTorch is not installed")
+    measured = []
+    monkeypatch.setattr(saved, "saved_figures", lambda *a, **k: measured.append(a))
+    assert saved.main([]) == 2
+    assert capsys.readouterr().err == "minipar bench saved: error: PyTorch is not installed\n"
+    assert saved.main(["--batch", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--batch" in err and measured == []
+
+
+def test_pytorchs_count_takes_each_storage_once_whole_and_leaves_parameters_out():
+    """Counted by hand: x @ W^T saves x (12 fp64: 96 B) and not W, a parameter; a view of a (4, 10) array
+    multiplied by itself saves the view twice, which keeps the whole storage alive: 320 B once; exp
+    saves its (4, 5) result, 160 B; concatenating and summing save no tensor."""
+    torch = pytest.importorskip("torch")
+    w = torch.nn.Parameter(torch.ones(5, 3, dtype=torch.float64))
+    x = torch.arange(12.0, dtype=torch.float64).reshape(4, 3)
+    with saved.SavedStorages([w]) as storages:
+        h = torch.nn.functional.linear(x, w)
+        view = torch.cat([h, h], dim=1)[:, :2]
+        (view * view).sum() + torch.exp(h).sum()
+    assert storages.total() == 96 + 320 + 160
+    assert sorted(storages.nbytes.values()) == [96, 160, 320]
+    assert storages.savers[x.untyped_storage().data_ptr()] == {"linear"}
+
+
+def test_minipar_saves_at_most_pytorchs_bytes_in_every_case():
+    """Both GPTs, both precisions, every recomputation mode, batch 2. PyTorch's checkpoint keeps only
+    its inputs, saved outside any torch function: a block's input (B, T, d) under full, the q, k, v of
+    each attention core under selective, n_layer times; minipar's Recompute the same."""
+    pytest.importorskip("torch")
+    rows = saved.saved_figures(batch=2)
+    assert len(rows) == 2 * 2 * 3
+    for row in rows:
+        case = (row["model"], row["dtype"], row["recompute"])
+        assert 0 < row["minipar"] <= row["torch"], case
+        assert sum(row["torch_by_op"].values()) == row["torch"], case
+        kept = {"none": 0, "selective": 3, "full": 1}[row["recompute"]]
+        value_bytes = 2 * row["seq"] * row["d_model"] * (4 if row["dtype"] == "float32" else 8)
+        checkpoint_inputs = kept * nn.GPTConfig().n_layer * value_bytes
+        assert row["torch_by_op"].get("(outside torch functions)", 0) == checkpoint_inputs, case
+        assert row["minipar_by_op"].get("Recompute", 0) == checkpoint_inputs, case
