@@ -19,6 +19,7 @@ Lesson: lessons/01b_speed_appendix.md ("Against PyTorch").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from collections import defaultdict
 
@@ -77,57 +78,58 @@ def by_row(savers: dict, nbytes: dict) -> dict[str, int]:
     return dict(sorted(rows.items(), key=lambda row: -row[1]))
 
 
-class SavedStorages:
-    """While entered, every tensor autograd saves in this thread, by storage: its nbytes and the torch
-    functions (torch.overrides' names: "linear", "layer_norm") that were running when it was saved. The
-    storages of `excluded` tensors (the parameters) are left out."""
+OUTSIDE = "(outside torch functions)"  # saved with no torch function running: checkpoint's inputs
 
-    def __init__(self, excluded):
-        import torch
-        from torch.overrides import TorchFunctionMode
 
-        self.torch, self.running = torch, ["(outside torch functions)"]
-        self.excluded = {t.untyped_storage().data_ptr() for t in excluded}
+class StorageCount:
+    """The tensors autograd saves, by storage: each storage's nbytes, counted once however many saved
+    tensors view it, and the torch functions (torch.overrides' names: "linear", "layer_norm") running
+    when each was saved. Storages whose data pointer is in `excluded` (the parameters') are left out.
+    `pack` is a saved_tensors_hooks pack hook; it reads only `untyped_storage()`, so it runs on any
+    object that has one."""
+
+    def __init__(self, excluded: set[int]):
+        self.excluded = excluded
         self.nbytes: dict[int, int] = {}
         self.savers: dict[int, set] = defaultdict(set)
-        running = self.running
-
-        class Naming(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                running.append(getattr(func, "__name__", str(func)))
-                try:
-                    return func(*args, **(kwargs or {}))
-                finally:
-                    running.pop()
-
-        self.naming = Naming()
+        self.running = [OUTSIDE]  # the torch functions running now, innermost last
 
     def pack(self, tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in self.excluded:
             self.nbytes[storage.data_ptr()] = storage.nbytes()
             self.savers[storage.data_ptr()].add(self.running[-1])
-        return tensor  # kept as autograd keeps it: the count changes nothing
-
-    def __enter__(self):
-        self.hooks = self.torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
-        self.hooks.__enter__()
-        self.naming.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.naming.__exit__(*exc)
-        self.hooks.__exit__(*exc)
+        return tensor  # kept as autograd keeps it: counting changes nothing
 
     def total(self) -> int:
         return sum(self.nbytes.values())
+
+
+@contextlib.contextmanager
+def saved_storages(excluded_tensors):
+    """A StorageCount of what autograd saves inside the block, the storages of `excluded_tensors` out."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    count = StorageCount({t.untyped_storage().data_ptr() for t in excluded_tensors})
+
+    class Naming(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            count.running.append(getattr(func, "__name__", str(func)))
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                count.running.pop()
+
+    with torch.autograd.graph.saved_tensors_hooks(count.pack, lambda tensor: tensor), Naming():
+        yield count
 
 
 def torch_saved(model: nn.GPT, ids, targets, recompute: str) -> tuple[int, dict[str, int]]:
     """PyTorch's bytes saved over the same forward and loss (storages once, parameters out), and by the
     torch functions that saved them."""
     step = torch_gpt.TorchGPTStep(model, ids, targets, recompute)
-    with SavedStorages(step.p.values()) as storages:
+    with saved_storages(step.p.values()) as storages:
         loss = step.loss()
     del loss
     return storages.total(), by_row(storages.savers, storages.nbytes)
