@@ -413,6 +413,8 @@ MUTANTS = [
     Mutant("bench-saved-counts-the-parameters", "minipar_lab/bench/saved.py",
            "if storage.data_ptr() not in self.excluded:", "if storage.data_ptr() is not None:",
            tests=(SAVED_BENCH_TESTS,)),
+    Mutant("bench-saved-walks-each-nodes-first-input-only", "minipar_lab/bench/saved.py",
+           "for link in stack.pop().next:", "for link in stack.pop().next[:1]:", tests=(SAVED_BENCH_TESTS,)),
     Mutant("bench-saved-measures-without-pytorch", "minipar_lab/bench/saved.py",
            "    if torch_gpt.unavailable():\n        return fail(p.prog, torch_gpt.unavailable())\n", "",
            tests=(SAVED_BENCH_TESTS,)),

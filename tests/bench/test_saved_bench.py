@@ -88,3 +88,17 @@ def test_minipar_saves_at_most_pytorchs_bytes_in_every_case():
         checkpoint_inputs = kept * nn.GPTConfig().n_layer * value_bytes
         assert row["torch_by_op"].get(saved.OUTSIDE, 0) == checkpoint_inputs, case
         assert row["minipar_by_op"].get("Recompute", 0) == checkpoint_inputs, case
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_minipars_rows_by_function_add_up_to_the_meters_bytes(recompute):
+    """Without PyTorch: the rows come from walking the graph's nodes at the end of forward, so every
+    buffer the meter counts must be in exactly one row. The softmax's output is the one buffer two
+    Functions save (the softmax and the product after it); recomputation leaves neither, and keeps
+    the recomputed pieces' inputs under Recompute."""
+    cfg = nn.GPTConfig(block_size=8, n_layer=2, n_head=2, d_model=8)
+    ids, targets = saved.AdditionTask(8, 0).global_batch(0, 2)
+    total, rows = saved.minipar_saved(nn.GPT(cfg, seed=0, recompute=recompute), ids, targets)
+    assert sum(rows.values()) == total > 0
+    assert ("CausalSoftmax + MatMul" in rows) == (recompute == "none")
+    assert ("Recompute" in rows) == (recompute != "none")
