@@ -32,6 +32,7 @@ WORKING_COPY_TESTS = "tests/precision/test_zero3_working_copy.py"
 COMM_TESTS = ("tests/distributed/test_comm.py", "tests/distributed/test_collectives.py")
 TRACE_TESTS = "tests/trainer/test_trace.py"
 CHECKPOINT_BENCH_TESTS = "tests/bench/test_checkpoint_bench.py"
+SAVED_BENCH_TESTS = "tests/bench/test_saved_bench.py"
 
 PLACEMENT_TESTS = ("tests/parallel/test_placements.py",)
 FSDP_TESTS = ("tests/parallel/test_fsdp.py",)
@@ -413,4 +414,17 @@ MUTANTS = [
     Mutant("bench-checkpoint-async-way-saves-synchronously", "minipar_lab/bench/checkpoint.py",
            '"async": {"save_every": 1, "save_async": True}', '"async": {"save_every": 1}',
            tests=(CHECKPOINT_BENCH_TESTS,)),
+    # ---- issue 39: bench saved, minipar's bytes saved for backward against PyTorch's ----
+    Mutant("bench-saved-counts-a-storage-once-per-save", "minipar_lab/bench/saved.py",
+           "self.nbytes[storage.data_ptr()] = storage.nbytes()",
+           "self.nbytes[storage.data_ptr()] = self.nbytes.get(storage.data_ptr(), 0) + storage.nbytes()",
+           tests=(SAVED_BENCH_TESTS,)),
+    Mutant("bench-saved-counts-the-parameters", "minipar_lab/bench/saved.py",
+           "if storage.data_ptr() not in self.excluded:", "if storage.data_ptr() is not None:",
+           tests=(SAVED_BENCH_TESTS,)),
+    Mutant("bench-saved-walks-each-nodes-first-input-only", "minipar_lab/bench/saved.py",
+           "for link in stack.pop().next:", "for link in stack.pop().next[:1]:", tests=(SAVED_BENCH_TESTS,)),
+    Mutant("bench-saved-measures-without-pytorch", "minipar_lab/bench/saved.py",
+           "    if torch_gpt.unavailable():\n        return fail(p.prog, torch_gpt.unavailable())\n", "",
+           tests=(SAVED_BENCH_TESTS,)),
 ]

@@ -1,4 +1,5 @@
-"""minipar's GPT written again in PyTorch, for `bench autograd` to time one against the other.
+"""minipar's GPT written again in PyTorch, for `bench autograd` to time one against the other and
+`bench saved` to count what each saves for backward.
 
 PyTorch is an optional extra: nothing here imports it until a step is built, and `unavailable()`
 says in one line why the comparison cannot run. The PyTorch model reads minipar's weights by name,
@@ -10,6 +11,7 @@ Lesson: lessons/01b_speed_appendix.md.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import time
@@ -56,13 +58,15 @@ class MiniparGPTStep:
 
 
 class TorchGPTStep:
-    """The same step in PyTorch, on one thread, from a copy of `model`'s weights."""
+    """The same step in PyTorch, on one thread, from a copy of `model`'s weights. `recompute` mirrors
+    minipar's (core/recompute.py) with torch.utils.checkpoint: "full" checkpoints each block on its input,
+    "selective" each attention core on its q, k and v (B, T, C), as core/nn.py's `attention_core`."""
 
-    def __init__(self, model: nn.GPT, tokens, targets):
+    def __init__(self, model: nn.GPT, tokens, targets, recompute: str = "none"):
         import torch
 
         torch.set_num_threads(1)  # one BLAS thread, as each minipar rank has
-        self.torch, self.cfg = torch, model.config
+        self.torch, self.cfg, self.recompute = torch, model.config, recompute
         self.p = {name: torch.tensor(p.data.copy(), requires_grad=True)
                   for name, p in model.named_parameters()}
         self.opt = torch.optim.AdamW(self.p.values(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -84,11 +88,8 @@ class TorchGPTStep:
         ids = self.tokens
         x = p["embed.wte.weight"][ids] + p["embed.wpe.weight"][self.torch.arange(ids.shape[1])]
         for i in range(self.cfg.n_layer):
-            b = f"blocks.{i}."
-            x = x + self.attention(self.layer_norm(x, b + "ln_1"), b + "attn.")
-            h = F.gelu(F.linear(self.layer_norm(x, b + "ln_2"), p[b + "mlp.fc.weight"], p[b + "mlp.fc.bias"]),
-                       approximate="tanh")
-            x = x + F.linear(h, p[b + "mlp.proj.weight"], p[b + "mlp.proj.bias"])
+            block = functools.partial(self.block, f"blocks.{i}.")
+            x = self.checkpoint(block, x) if self.recompute == "full" else block(x)
         logits = F.linear(self.layer_norm(x, "head.ln_f"), p["head.lm_head.weight"])
         V = logits.shape[-1]
         total = F.cross_entropy(logits.reshape(-1, V), self.targets.reshape(-1), reduction="sum")
@@ -98,20 +99,39 @@ class TorchGPTStep:
         return self.torch.nn.functional.layer_norm(x, (x.shape[-1],), self.p[name + ".weight"],
                                                    self.p[name + ".bias"], eps=1e-5)
 
+    def checkpoint(self, function, *inputs):
+        """function(*inputs), only the inputs saved, recomputed in backward (PyTorch's recommended form)."""
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(function, *inputs, use_reentrant=False)
+
+    def block(self, b, x):
+        F, p = self.torch.nn.functional, self.p
+        x = x + self.attention(self.layer_norm(x, b + "ln_1"), b + "attn.")
+        h = F.gelu(F.linear(self.layer_norm(x, b + "ln_2"), p[b + "mlp.fc.weight"], p[b + "mlp.fc.bias"]),
+                   approximate="tanh")
+        return x + F.linear(h, p[b + "mlp.proj.weight"], p[b + "mlp.proj.bias"])
+
     def attention(self, x, a):
         F, p = self.torch.nn.functional, self.p
-        B, T, C = x.shape
+        q = F.linear(x, p[a + "query.weight"], p[a + "query.bias"])
+        k = F.linear(x, p[a + "key.weight"])
+        v = F.linear(x, p[a + "value.weight"], p[a + "value.bias"])
+        y = self.checkpoint(self.core, q, k, v) if self.recompute == "selective" else self.core(q, k, v)
+        return F.linear(y, p[a + "proj.weight"], p[a + "proj.bias"])
+
+    def core(self, q, k, v):
+        """Causal attention of (B, T, C) q, k, v, as core/nn.py's causal_attention."""
+        B, T, C = q.shape
         hd = C // self.cfg.n_head
 
         def heads(t):
             return t.reshape(B, T, self.cfg.n_head, hd).transpose(1, 2)
 
-        q = heads(F.linear(x, p[a + "query.weight"], p[a + "query.bias"]))
-        k = heads(F.linear(x, p[a + "key.weight"]))
-        v = heads(F.linear(x, p[a + "value.weight"], p[a + "value.bias"]))
+        q, k, v = heads(q), heads(k), heads(v)
         scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + self.mask
         y = self.torch.softmax(scores, dim=-1) @ v
-        return F.linear(y.transpose(1, 2).reshape(B, T, C), p[a + "proj.weight"], p[a + "proj.bias"])
+        return y.transpose(1, 2).reshape(B, T, C)
 
 
 def op_seconds(step: TorchGPTStep, repeats: int) -> tuple[dict[str, float], dict[str, float], float]:

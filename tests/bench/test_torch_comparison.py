@@ -204,3 +204,17 @@ def test_clipping_scales_as_pytorchs_clip_grad_norm(max_norm):
         np.testing.assert_allclose(piece.grad, tensor.grad.numpy().reshape(-1), rtol=1e-12, atol=0)
     if max_norm < norm:  # the clipped case really clipped
         assert np.linalg.norm(np.concatenate([piece.grad for piece in pieces])) == pytest.approx(max_norm)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_pytorchs_recomputed_gpt_trains_to_the_same_losses(recompute):
+    """The checkpointed PyTorch GPT (`bench saved`'s mirror of --recompute) recomputes exactly: three
+    steps, each loss and the updates between them those of minipar's GPT without recomputation."""
+    pytest.importorskip("torch")
+    cfg = nn.GPTConfig(n_layer=2, dtype="float64")
+    tokens, targets = AdditionTask(cfg.block_size, 0).global_batch(0, 4)
+    mine = torch_gpt.MiniparGPTStep(cfg, tokens, targets)
+    theirs = torch_gpt.TorchGPTStep(mine.model, tokens, targets, recompute=recompute)
+    for _ in range(3):
+        a, b = mine(), theirs()
+        assert abs(a - b) <= 1e-9 * abs(b)
