@@ -77,6 +77,8 @@ class Watchdog:
         self.rank = 0
         self.thread: threading.Thread | None = None
         self.interrupts: int | None = None  # the pipe the C-level signal handler writes to
+        self.interrupted_already = False  # a Ctrl-C reached Python's handler in this process
+        self.interrupt_said = threading.Lock()  # taken by whoever writes the Ctrl-C line: it is written once
         # where the line goes too, before the process ends: a test harness whose pytest captures
         # stderr (into a file os._exit never shows) gives the terminal, and says which test it was
         self.reporters = HookList()
@@ -113,16 +115,37 @@ class Watchdog:
     def interrupted(self) -> None:
         time.sleep(INTERRUPT_GRACE_S)
         if self.current is not None:  # still blocked in MPI: KeyboardInterrupt cannot reach it
-            end_rank(f"minipar train: interrupted (rank {self.rank})\n", 130)
+            self.end_interrupted()
 
     def unraisable(self, unraisable) -> None:
         """sys.unraisablehook while interrupts are caught. A Ctrl-C whose KeyboardInterrupt goes off in a
         finalizer (a graph's Context.__del__) is dropped there by Python, which prints "Exception
         ignored ... Traceback" and computes on: the rank ends here instead, in the main thread, with the
-        one line. Any other unraisable exception goes to Python's own hook."""
-        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-            end_rank(f"minipar train: interrupted (rank {self.rank})\n", 130)
+        one line. So does any exception from a finalizer once a Ctrl-C has arrived: the interrupt may
+        have stopped some bookkeeping half done (the activation meter's, between two dictionaries), whose
+        finalizer then fails as the rank unwinds, and the rank is ending anyway. Any other unraisable
+        exception goes to Python's own hook."""
+        interrupt = unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt)
+        if interrupt or self.interrupted_already:
+            self.end_interrupted()
         sys.__unraisablehook__(unraisable)
+
+    def say_interrupted(self, rank: int) -> None:
+        """Write the one line of a Ctrl-C (`minipar train: interrupted (rank R)`), once per process: the
+        rank's own handler and a finalizer failing as it unwinds may both come to it."""
+        if self.interrupt_said.acquire(blocking=False):
+            sys.stderr.write(f"minipar train: interrupted (rank {rank})\n")
+            sys.stderr.flush()
+
+    def end_interrupted(self) -> None:
+        """End this process alone on a Ctrl-C (mpiexec passed it to every rank), with the one line."""
+        self.say_interrupted(self.rank)
+        os._exit(130)
+
+    def note_interrupt(self, signum, frame) -> None:
+        """Python's SIGINT handler (KeyboardInterrupt), noting that the interrupt came."""
+        self.interrupted_already = True
+        raise KeyboardInterrupt
 
     def catch_interrupts(self) -> None:
         """From the main thread: let the thread see Ctrl-C while the main thread is blocked in MPI."""
@@ -132,13 +155,8 @@ class Watchdog:
             signal.set_wakeup_fd(write, warn_on_full_buffer=False)
             self.interrupts = read
             sys.unraisablehook = self.unraisable  # Python's documented hook for exceptions it cannot raise
-
-
-def end_rank(line: str, code: int) -> None:
-    """Write `line` and end this process alone: Ctrl-C, which mpiexec passed to every rank."""
-    sys.stderr.write(line)
-    sys.stderr.flush()
-    os._exit(code)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
+                signal.signal(signal.SIGINT, self.note_interrupt)
 
 
 def end_job(text: str, code: int) -> None:

@@ -12,7 +12,6 @@ import contextlib
 import io
 import json
 import math
-import sys
 from fractions import Fraction
 
 from minipar.checkpoint import sharded as checkpoint
@@ -114,8 +113,9 @@ def _own_verdict(argv: list[str], world_size: int, rank: int, parsed=None):
 
 
 def interrupted(rank: int) -> int:
-    sys.stderr.write(f"minipar train: interrupted (rank {rank})\n")
-    sys.stderr.flush()
+    from minipar.distributed.watchdog import WATCHDOG
+
+    WATCHDOG.say_interrupted(rank)  # once: a finalizer failing as the rank unwinds ends it with the same line
     return 130
 
 
