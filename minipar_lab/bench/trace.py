@@ -56,7 +56,7 @@ def trace_figures(ranks: int, train_args: list[str], repeats: int, steps: int, w
         middle, half_range = spread(seconds)
         rows.append({"way": way, "step_ms": 1e3 * middle, "step_ms_spread": 1e3 * half_range})
     return {"config": {"ranks": ranks, "train_args": args, "repeats": repeats, "warmup": warmup},
-            "ways": rows, "cost": float(np.median(traced / plain)) - 1, "per_round": list(traced / plain - 1)}
+            "ways": rows, "cost": float(np.median(traced / plain - 1)), "per_round": list(traced / plain - 1)}
 
 
 def main(argv) -> int:
