@@ -176,29 +176,16 @@ class Tensor:
             _accumulate(self, grad)
             return
         grads = {root: grad}  # keyed by the nodes themselves: a Node hashes by identity
-        for node in reversed(_topological_order(root)):
-            g = grads.pop(node, None)
-            ctx, links = node.ctx, node.next
-            if g is None or ctx is None:  # no gradient reached it, or another backward ran it
-                continue
-            node.ctx, node.next = None, ()  # its saved arrays go with its backward
-            if defer_weight_grads is None:
-                input_grads = _run_backward(node.function, ctx, g)
-            else:
-                input_grads = _backward_deferring_weights(node.function, ctx, g, links, defer_weight_grads)
-            # needed: the argument was a Tensor that required grad when the op ran (apply's record)
-            for link, pg, needed in zip(links, input_grads, ctx.needs_input_grad):
-                if pg is None or not needed:
-                    continue
-                if _output_cast is not None:
-                    pg = _output_cast(pg)
-                if link.__class__ is not Node:  # a leaf: accumulate now, as PyTorch's AccumulateGrad
-                    _accumulate(link, pg)  # does, so later hooks see it
-                    continue
-                if link in grads:  # used by several ops: the gradients add, an op like any other
-                    pg = grads[link] + pg
-                    pg = _output_cast(pg) if _output_cast is not None else pg
-                grads[link] = pg
+        _walks.append(grads)  # in flight: a recomputation's nested backward runs inside one of ours
+        try:
+            for node in reversed(_topological_order(root)):
+                # the node's gradient stays in `grads` while it runs, and goes once it has run
+                if node.ctx is not None and node in grads:  # else: no gradient reached it, or another
+                    _run_node(node, grads, defer_weight_grads)  # backward ran it
+                if grads.pop(node, None) is not None and backward_node_hooks:
+                    backward_node_hooks.call_all(node, [g for walk in _walks for g in walk.values()])
+        finally:
+            _walks.pop()
 
     # Operators call the differentiable functions of minipar.core.functional through `_operators`
     # (functional registers them: it builds on this module, so this module cannot import it).
@@ -263,6 +250,41 @@ class Tensor:
 
 
 _operators: dict = {}  # name -> differentiable function, filled by register_tensor_operators
+
+# Called as `hook(node, in_flight)` after each node's backward, once its gradients are handed on (into
+# a leaf's .grad, or pending for the node they go to) and its own output gradient is dropped; in_flight
+# lists the gradients pending for nodes not run yet, in every backward running (a recomputation's
+# backward runs one inside another's node). Nothing else of the node's backward is alive then: what
+# memory holds is the saved arrays of the nodes to come, the leaves' .grad and in_flight (an observer
+# such as tests/memory/test_real_memory.py compares the meters with it). Add with
+# `backward_node_hooks.add(hook)`, which returns a RemovableHandle.
+backward_node_hooks = HookList()
+_walks: list[dict] = []  # the pending gradients of each backward running now, outermost first
+
+
+def _run_node(node: Node, grads: dict, defer_weight_grads: list | None):
+    """The node's backward on its pending gradient; its input gradients to the leaves or the nodes they
+    go to (a function of its own: its temporaries are gone when it returns, before the hooks run)."""
+    ctx, links, g = node.ctx, node.next, grads[node]
+    assert ctx is not None
+    node.ctx, node.next = None, ()  # its saved arrays go with its backward
+    if defer_weight_grads is None:
+        input_grads = _run_backward(node.function, ctx, g)
+    else:
+        input_grads = _backward_deferring_weights(node.function, ctx, g, links, defer_weight_grads)
+    # needed: the argument was a Tensor that required grad when the op ran (apply's record)
+    for link, pg, needed in zip(links, input_grads, ctx.needs_input_grad):
+        if pg is None or not needed:
+            continue
+        if _output_cast is not None:
+            pg = _output_cast(pg)
+        if link.__class__ is not Node:  # a leaf: accumulate now, as PyTorch's AccumulateGrad
+            _accumulate(link, pg)  # does, so later hooks see it
+            continue
+        if link in grads:  # used by several ops: the gradients add, an op like any other
+            pg = grads[link] + pg
+            pg = _output_cast(pg) if _output_cast is not None else pg
+        grads[link] = pg
 
 
 def register_tensor_operators(**functions):

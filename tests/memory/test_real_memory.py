@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from mpi_harness import mpi_test, needs_world_size
 
-from minipar.core import nn
+from minipar.core import autograd, nn
 from minipar.core.autograd import activation_meter
 from minipar.distributed.grid import ProcessGrid
 from minipar.memory.ledger import buffer_meter
@@ -124,3 +124,49 @@ def test_a_forward_on_a_layout_grows_numpy_memory_by_what_the_meters_count(comm,
         tracemalloc.stop()
     for grown, counted in figures:  # the second micro-batch starts from what the first one's backward left
         assert abs(grown - counted) <= 0.02 * counted, (layout, model_name, precision, figures)
+
+
+# ---- between backward nodes ----------------------------------------------------------------------------
+
+
+def buffers_bytes(arrays) -> int:
+    """The bytes of the buffers behind `arrays`, each once (Add hands the same gradient to both its
+    inputs; a view keeps its whole base)."""
+    bases = {}
+    for a in arrays:
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        bases[id(a)] = a.nbytes
+    return sum(bases.values())
+
+
+def parameter_gradient_bytes(model) -> int:
+    return sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_between_backward_nodes_numpy_memory_is_what_the_ledger_counts(traced, recompute):
+    """After each backward node, the NumPy bytes grown since before the forward are the activations
+    still saved, the parameters' .grad arrays, the buffers, and the gradients in flight (pending for the
+    nodes to come, given by autograd's backward_node_hooks). Full recomputation's nested backward also
+    holds its block's recomputed output and, once reached, its input's gradient (a leaf's .grad inside
+    the rerun, not a parameter's): at most two arrays of the block input's bytes more, never fewer."""
+    cfg, batch = MODELS["default"]
+    model = nn.GPT(cfg, seed=0, recompute=recompute)
+    ids, targets = AdditionTask(cfg.block_size, seed=0).global_batch(0, batch)
+    block_input = batch * cfg.block_size * cfg.d_model * 8  # fp64
+    before = numpy_bytes() - activation_meter.current - buffer_meter.current - parameter_gradient_bytes(model)
+    loss = model.loss(model(ids), targets, targets.size)
+    figures = []
+
+    def compare(node, in_flight):
+        counted = (activation_meter.current + parameter_gradient_bytes(model) + buffer_meter.current
+                   + buffers_bytes(in_flight) + loss.data.nbytes)
+        figures.append((node.function.__name__, numpy_bytes() - before, counted))
+
+    with autograd.backward_node_hooks.add(compare):
+        loss.backward()
+    assert len(figures) > 20
+    rerun = 2 * block_input if recompute == "full" else 0  # the bound of the docstring
+    for name, grown, counted in figures:
+        assert -0.02 * counted <= grown - counted <= rerun + 0.02 * counted, (name, grown, counted)
