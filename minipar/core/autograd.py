@@ -176,16 +176,37 @@ class Tensor:
             _accumulate(self, grad)
             return
         grads = {root: grad}  # keyed by the nodes themselves: a Node hashes by identity
-        _walks.append(grads)  # in flight: a recomputation's nested backward runs inside one of ours
-        try:
+        with _in_flight(grads):  # what backward_node_hooks are shown (a recomputation's backward nests)
             for node in reversed(_topological_order(root)):
-                # the node's gradient stays in `grads` while it runs, and goes once it has run
-                if node.ctx is not None and node in grads:  # else: no gradient reached it, or another
-                    _run_node(node, grads, defer_weight_grads)  # backward ran it
-                if grads.pop(node, None) is not None and backward_node_hooks:
+                g = grads.get(node)  # in flight until the node has run: a nested backward counts it
+                ctx, links = node.ctx, node.next
+                if g is None or ctx is None:  # no gradient reached it, or another backward ran it
+                    grads.pop(node, None)
+                    continue
+                node.ctx, node.next = None, ()  # its saved arrays go with its backward
+                if defer_weight_grads is None:
+                    input_grads = _run_backward(node.function, ctx, g)
+                else:
+                    input_grads = _backward_deferring_weights(node.function, ctx, g, links,
+                                                              defer_weight_grads)
+                # needed: the argument was a Tensor that required grad when the op ran (apply's record)
+                for link, pg, needed in zip(links, input_grads, ctx.needs_input_grad):
+                    if pg is None or not needed:
+                        continue
+                    if _output_cast is not None:
+                        pg = _output_cast(pg)
+                    if link.__class__ is not Node:  # a leaf: accumulate now, as PyTorch's AccumulateGrad
+                        _accumulate(link, pg)  # does, so later hooks see it
+                        continue
+                    if link in grads:  # used by several ops: the gradients add, an op like any other
+                        pg = grads[link] + pg
+                        pg = _output_cast(pg) if _output_cast is not None else pg
+                    grads[link] = pg
+                del grads[node]
+                if backward_node_hooks:  # the node's temporaries dropped first: what is alive is counted
+                    g = pg = None
+                    del input_grads
                     backward_node_hooks.call_all(node, [g for walk in _walks for g in walk.values()])
-        finally:
-            _walks.pop()
 
     # Operators call the differentiable functions of minipar.core.functional through `_operators`
     # (functional registers them: it builds on this module, so this module cannot import it).
@@ -262,29 +283,14 @@ backward_node_hooks = HookList()
 _walks: list[dict] = []  # the pending gradients of each backward running now, outermost first
 
 
-def _run_node(node: Node, grads: dict, defer_weight_grads: list | None):
-    """The node's backward on its pending gradient; its input gradients to the leaves or the nodes they
-    go to (a function of its own: its temporaries are gone when it returns, before the hooks run)."""
-    ctx, links, g = node.ctx, node.next, grads[node]
-    assert ctx is not None
-    node.ctx, node.next = None, ()  # its saved arrays go with its backward
-    if defer_weight_grads is None:
-        input_grads = _run_backward(node.function, ctx, g)
-    else:
-        input_grads = _backward_deferring_weights(node.function, ctx, g, links, defer_weight_grads)
-    # needed: the argument was a Tensor that required grad when the op ran (apply's record)
-    for link, pg, needed in zip(links, input_grads, ctx.needs_input_grad):
-        if pg is None or not needed:
-            continue
-        if _output_cast is not None:
-            pg = _output_cast(pg)
-        if link.__class__ is not Node:  # a leaf: accumulate now, as PyTorch's AccumulateGrad
-            _accumulate(link, pg)  # does, so later hooks see it
-            continue
-        if link in grads:  # used by several ops: the gradients add, an op like any other
-            pg = grads[link] + pg
-            pg = _output_cast(pg) if _output_cast is not None else pg
-        grads[link] = pg
+@contextlib.contextmanager
+def _in_flight(grads: dict):
+    """`grads` (a backward's gradients pending for the nodes to come) among those the hooks are shown."""
+    _walks.append(grads)
+    try:
+        yield
+    finally:
+        _walks.pop()
 
 
 def register_tensor_operators(**functions):
