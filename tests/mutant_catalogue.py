@@ -36,8 +36,24 @@ SAVED_BENCH_TESTS = "tests/bench/test_saved_bench.py"
 
 PLACEMENT_TESTS = ("tests/parallel/test_placements.py",)
 FSDP_TESTS = ("tests/parallel/test_fsdp.py",)
+REAL_MEMORY_TESTS = "tests/memory/test_real_memory.py"
 
 MUTANTS = [
+    # ---- issue 39: the meters against real memory on two ranks ----
+    Mutant("real-memory-zero3-released-unit-still-referenced", "minipar/parallel/zero3.py",
+           "            p.data = unit.freed", "            p.data = p.data",
+           tests=(REAL_MEMORY_TESTS,), ranks=(2,)),
+    Mutant("real-memory-ring-attention-keeps-the-last-keys-uncounted", "minipar/parallel/context.py",
+           "        ctx.n_head, ctx.comm, ctx.scale = n_head, comm, scale",
+           "        ctx.n_head, ctx.comm, ctx.scale, ctx.kv = n_head, comm, scale, kv",
+           tests=(REAL_MEMORY_TESTS,), ranks=(2,)),
+    Mutant("real-memory-sp-reduce-scatter-keeps-its-partial-sums", "minipar/parallel/mappings.py",
+           "        ctx.comm = comm\n        return reduce_scatter_sequence(x, comm)",
+           "        ctx.comm, ctx.partial = comm, x\n        return reduce_scatter_sequence(x, comm)",
+           tests=(REAL_MEMORY_TESTS,), ranks=(2,)),
+    Mutant("real-memory-released-node-keeps-its-saved-arrays", "minipar/core/autograd.py",
+           "        self._held = ()\n        self.saved = ()", "        self._held = ()",
+           tests=(REAL_MEMORY_TESTS,)),
     # ---- issue 44: Pythia's runs among the published ones ----
     Mutant("published-pythia-step-not-per-gpu", "minipar/simulate/published.py",
            "gpu_hours * 3600 / (PYTHIA_STEPS * gpus)", "gpu_hours * 3600 / PYTHIA_STEPS"),

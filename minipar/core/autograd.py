@@ -176,29 +176,37 @@ class Tensor:
             _accumulate(self, grad)
             return
         grads = {root: grad}  # keyed by the nodes themselves: a Node hashes by identity
-        for node in reversed(_topological_order(root)):
-            g = grads.pop(node, None)
-            ctx, links = node.ctx, node.next
-            if g is None or ctx is None:  # no gradient reached it, or another backward ran it
-                continue
-            node.ctx, node.next = None, ()  # its saved arrays go with its backward
-            if defer_weight_grads is None:
-                input_grads = _run_backward(node.function, ctx, g)
-            else:
-                input_grads = _backward_deferring_weights(node.function, ctx, g, links, defer_weight_grads)
-            # needed: the argument was a Tensor that required grad when the op ran (apply's record)
-            for link, pg, needed in zip(links, input_grads, ctx.needs_input_grad):
-                if pg is None or not needed:
+        with _in_flight(grads):  # what backward_node_hooks are shown (a recomputation's backward nests)
+            for node in reversed(_topological_order(root)):
+                g = grads.get(node)  # in flight until the node has run: a nested backward counts it
+                ctx, links = node.ctx, node.next
+                if g is None or ctx is None:  # no gradient reached it, or another backward ran it
+                    grads.pop(node, None)
                     continue
-                if _output_cast is not None:
-                    pg = _output_cast(pg)
-                if link.__class__ is not Node:  # a leaf: accumulate now, as PyTorch's AccumulateGrad
-                    _accumulate(link, pg)  # does, so later hooks see it
-                    continue
-                if link in grads:  # used by several ops: the gradients add, an op like any other
-                    pg = grads[link] + pg
-                    pg = _output_cast(pg) if _output_cast is not None else pg
-                grads[link] = pg
+                node.ctx, node.next = None, ()  # its saved arrays go with its backward
+                if defer_weight_grads is None:
+                    input_grads = _run_backward(node.function, ctx, g)
+                else:
+                    input_grads = _backward_deferring_weights(node.function, ctx, g, links,
+                                                              defer_weight_grads)
+                # needed: the argument was a Tensor that required grad when the op ran (apply's record)
+                for link, pg, needed in zip(links, input_grads, ctx.needs_input_grad):
+                    if pg is None or not needed:
+                        continue
+                    if _output_cast is not None:
+                        pg = _output_cast(pg)
+                    if link.__class__ is not Node:  # a leaf: accumulate now, as PyTorch's AccumulateGrad
+                        _accumulate(link, pg)  # does, so later hooks see it
+                        continue
+                    if link in grads:  # used by several ops: the gradients add, an op like any other
+                        pg = grads[link] + pg
+                        pg = _output_cast(pg) if _output_cast is not None else pg
+                    grads[link] = pg
+                del grads[node]
+                if backward_node_hooks:  # the node's temporaries dropped first: what is alive is counted
+                    g = pg = None
+                    del input_grads
+                    backward_node_hooks.call_all(node, [g for walk in _walks for g in walk.values()])
 
     # Operators call the differentiable functions of minipar.core.functional through `_operators`
     # (functional registers them: it builds on this module, so this module cannot import it).
@@ -263,6 +271,26 @@ class Tensor:
 
 
 _operators: dict = {}  # name -> differentiable function, filled by register_tensor_operators
+
+# Called as `hook(node, in_flight)` after each node's backward, once its gradients are handed on (into
+# a leaf's .grad, or pending for the node they go to) and its own output gradient is dropped; in_flight
+# lists the gradients pending for nodes not run yet, in every backward running (a recomputation's
+# backward runs one inside another's node). Nothing else of the node's backward is alive then: what
+# memory holds is the saved arrays of the nodes to come, the leaves' .grad and in_flight (an observer
+# such as tests/memory/test_real_memory.py compares the meters with it). Add with
+# `backward_node_hooks.add(hook)`, which returns a RemovableHandle.
+backward_node_hooks = HookList()
+_walks: list[dict] = []  # the pending gradients of each backward running now, outermost first
+
+
+@contextlib.contextmanager
+def _in_flight(grads: dict):
+    """`grads` (a backward's gradients pending for the nodes to come) among those the hooks are shown."""
+    _walks.append(grads)
+    try:
+        yield
+    finally:
+        _walks.pop()
 
 
 def register_tensor_operators(**functions):

@@ -8,7 +8,7 @@ Function whose backward is its adjoint, the collective that carries the gradient
        GatherFromTensorParallel      all-gather columns  | keep this rank's columns
        GatherFromSequenceParallel    all-gather sequence | reduce-scatter sequence   (entering tp, sp)
        ReduceScatterToSequenceParallel  reduce-scatter   | all-gather sequence       (leaving tp, sp)
-       ReplicatedOnSequencePiece     a copy              | all-reduce          (a replicated parameter, sp)
+       ReplicatedOnSequencePiece     a copy              | all-reduce          (a bias or table, sp)
        AllToAll                      all-to-all          | all-to-all          (tokens to experts, ep)
 
 Read forward and backward of each pair side by side: an all-reduce forward has an identity backward,
@@ -142,7 +142,9 @@ class ReplicatedOnSequencePiece(Function):
     """A replicated parameter used on this rank's piece of the sequence: backward all-reduces its
     gradient over tp (the sum over the pieces is the whole gradient). The forward hands out a copy of
     the (small) parameter rather than the array itself, so no reference to a buffer ZeRO-3 gathered
-    outlives the unit's forward through the operations that read it in backward."""
+    outlives the unit's forward. For an operation that keeps nothing of it (an add, a lookup): one
+    that reads it in backward would keep the copy, uncounted, until then, so sequence.py's LayerNorm
+    sums its weight's gradient in its own backward instead."""
 
     @staticmethod
     def forward(ctx, parameter, comm):

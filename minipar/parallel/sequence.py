@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import cast
 
 from minipar.core import functional as F
+from minipar.core import layer_ops
+from minipar.core.autograd import Function
 from minipar.core.backend import xp_of
 from minipar.core.nn import (
     Block,
@@ -61,6 +63,27 @@ from minipar.parallel.tensor_gpt import TensorParallelGPT
 # ---- the layers: tensor.py's, with the collectives along the sequence ---------------------------------
 
 
+class LayerNormOnSequencePiece(Function):
+    """layer_ops.LayerNorm on this rank's piece, whose backward sums the weight's and the bias's
+    gradients over tp (each piece gives its positions' share). Its node reads the weight as the
+    parameter it is, as LayerNorm's does: a copy handed out by ReplicatedOnSequencePiece would be an
+    array the node keeps until backward, held but counted by no meter."""
+
+    reads_in_backward = layer_ops.LayerNorm.reads_in_backward  # the weight (ZeRO-3 re-gathers it)
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, comm):
+        ctx.comm = comm
+        return layer_ops.LayerNorm.forward(ctx, x, weight, bias, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        gx, gw, gb, _ = layer_ops.LayerNorm.backward(ctx, g)
+        gw = ctx.comm.all_reduce(gw) if gw is not None else None
+        gb = ctx.comm.all_reduce(gb) if gb is not None else None
+        return gx, gw, gb, None, None
+
+
 class SequenceParallelLayerNorm(LayerNorm):
     """nn.LayerNorm on this rank's (b, s/t, h) piece; its weight and bias gradients summed over tp."""
 
@@ -69,8 +92,7 @@ class SequenceParallelLayerNorm(LayerNorm):
         self.comm = comm
 
     def forward(self, x):
-        weight = replicated_on_sequence_piece(self.weight, self.comm)
-        return F.layer_norm(x, weight, replicated_on_sequence_piece(self.bias, self.comm), self.eps)
+        return LayerNormOnSequencePiece.apply(x, self.weight, self.bias, self.eps, self.comm)
 
 
 class SequenceParallelRowLinear(RowParallelLinear):
