@@ -173,14 +173,15 @@ def test_an_overflow_on_one_ranks_shard_skips_the_step_on_every_rank_and_changes
 CHUNKED = {"offload": "cpu", "device_mem_mb": "auto", "chunk_mb": 0.004}  # small chunks: several per unit
 
 
-@pytest.mark.parametrize("layout", [{}, CHUNKED], ids=["zero3", "chunked"])
+@pytest.mark.parametrize("layout", [{"zero": 3}, {"zero": 3, **CHUNKED}, {"fsdp": True}],
+                         ids=["zero3", "chunked", "fsdp"])
 @mpi_test
-def test_an_overflow_skips_the_step_on_every_rank_with_zero_3_and_chunked_offload(comm, layout):
-    """The same verdict through ZeRO-3's and chunked ZeRO-3's gradients-ready point, whose shards (and
-    offloaded blocks) hold the master weights and the moments: an inf planted in one rank's shard after
-    two clean steps changes none of them, on any rank."""
+def test_an_overflow_skips_the_step_on_every_rank_with_zero_3_chunked_offload_and_fsdp(comm, layout):
+    """The same verdict through ZeRO-3's, chunked ZeRO-3's and FSDP's gradients-ready point, whose
+    shards (offloaded blocks, per-parameter rows) hold the master weights and the moments: an inf
+    planted in one rank's shard after two clean steps changes none of them, on any rank."""
     dp = comm.size
-    cfg = tiny(zero=3, dp=dp, batch_size=4 * dp, **layout)
+    cfg = tiny(dp=dp, batch_size=4 * dp, **layout)
     engine, scaler = fp16_zero_engine(cfg, comm.mpi)
     task = train.make_task(cfg)
     for step in range(2):
