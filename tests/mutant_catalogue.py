@@ -71,6 +71,10 @@ MUTANTS = [
     Mutant("fsdp-working-rows-not-remade-after-the-step", "minipar/parallel/zero3.py",
            "            self.update(unit, unit.grad_shard)\n            self.round_shard(unit)",
            "            self.update(unit, unit.grad_shard)", tests=FSDP_16_BIT_TESTS, ranks=(2,)),
+    Mutant("16-bit-load-keeps-the-old-working-copy", "minipar/parallel/zero3.py",
+           "        super().load_logical(state)\n        for unit in self.units:\n"
+           "            self.round_shard(unit)",
+           "        super().load_logical(state)", tests=("tests/checkpoint/test_checkpoint.py",), ranks=(2,)),
     # ---- issue 48: the trace of --trace DIR and `minipar trace summary` ----
     Mutant("trace-async-end-on-the-wrong-waits", "minipar/trainer/trace.py",
            "        if pending is not None:\n            self.events.append({\"ph\": \"e\"",
