@@ -37,6 +37,9 @@ SAVED_BENCH_TESTS = "tests/bench/test_saved_bench.py"
 PLACEMENT_TESTS = ("tests/parallel/test_placements.py",)
 FSDP_TESTS = ("tests/parallel/test_fsdp.py",)
 REAL_MEMORY_TESTS = "tests/memory/test_real_memory.py"
+FSDP_16_BIT_TESTS = (f"{WORKING_COPY_TESTS}::test_one_rank_fsdp_in_16_bits_is_bit_equal_to_the_plain_step",
+                     f"{WORKING_COPY_TESTS}::test_fsdp_in_16_bits_trains_bit_for_bit_like_zero3_gathering"
+                     "_2_bytes_a_value")
 
 MUTANTS = [
     # ---- issue 39: the meters against real memory on two ranks ----
@@ -77,6 +80,17 @@ MUTANTS = [
            "        if self.replicate is not None and self.replicate.size > 1:",
            "        if self.replicate is not None and self.replicate.size > 2:",
            tests=FSDP_TESTS, ranks=(4,)),
+    # ---- issue 47: --fsdp in bf16 and fp16, the 16-bit working copy gathered per parameter ----
+    Mutant("fsdp-16-bit-gathers-fp32", "minipar/trainer/build.py",
+           "working=mixed_precision.parameter_wire(cfg.precision))  # bf16, fp16: as ZeRO-3", "working=None)",
+           tests=FSDP_16_BIT_TESTS, ranks=(2,)),
+    Mutant("fsdp-working-rows-not-remade-after-the-step", "minipar/parallel/zero3.py",
+           "            self.update(unit, unit.grad_shard)\n            self.round_shard(unit)",
+           "            self.update(unit, unit.grad_shard)", tests=FSDP_16_BIT_TESTS, ranks=(2,)),
+    Mutant("16-bit-load-keeps-the-old-working-copy", "minipar/parallel/zero3.py",
+           "        super().load_logical(state)\n        for unit in self.units:\n"
+           "            self.round_shard(unit)",
+           "        super().load_logical(state)", tests=("tests/checkpoint/test_checkpoint.py",), ranks=(2,)),
     # ---- issue 48: the trace of --trace DIR and `minipar trace summary` ----
     Mutant("trace-async-end-on-the-wrong-waits", "minipar/trainer/trace.py",
            "        if pending is not None:\n            self.events.append({\"ph\": \"e\"",

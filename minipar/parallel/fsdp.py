@@ -16,6 +16,11 @@ shard S = N/R), shard innermost (placements.py's `factor_data_parallel`): parame
 the S ranks of a node and replicated across the R nodes, so the gathers stay inside a node and only
 the gradient shards cross between nodes, as one all-reduce over "dp_replicate" at the step.
 
+In bf16 or fp16 (`working`, as ZeRO-3's) each rank keeps its fp32 master rows and those rows rounded
+to the 16-bit format, made again after every update; the gathers send the 2-byte patterns. Rounding
+is elementwise, so each parameter's chunks rounded and then gathered are, bit for bit, the whole
+parameter rounded: the working copy of the single-process run.
+
 What it saves: model states (p+g+K)Ψ/N per rank (with R: /S), as ZeRO-3.
 What it costs: ZeRO-3's bytes, 3(N-1)/N·Ψ per step, plus the padding: each parameter is padded on
 dim 0 to a multiple of N rows (ZeRO-3 pads a unit once, to a multiple of N elements), and a copy-in
@@ -32,6 +37,7 @@ import numpy as np
 
 from minipar.core.autograd import Tensor
 from minipar.core.options import option
+from minipar.distributed.collectives import Wire
 from minipar.parallel.api import GradientPiece
 from minipar.parallel.flat_units import FlatUnit
 from minipar.parallel.logical_state import Piece, to_host
@@ -121,13 +127,15 @@ class PerParameterUnit(FlatUnit):
 
 class FullyShardedDataParallel(ZeroStage3):
     """Updater and model wrapper: ZeRO-3's schedule on per-parameter Shard(0) chunks; with a
-    `replicate` communicator (hybrid sharding), the gradient shards are all-reduced over it."""
+    `replicate` communicator (hybrid sharding), the gradient shards are all-reduced over it; with a
+    `working` wire (bf16, fp16), the rounded rows are gathered (zero3.py)."""
 
     unit_type = PerParameterUnit
 
-    def __init__(self, model, optimizer, comm, replicate=None, prefetch: bool = False):
+    def __init__(self, model, optimizer, comm, replicate=None, prefetch: bool = False,
+                 working: Wire | None = None):
         self.replicate = replicate
-        super().__init__(model, optimizer, comm, prefetch=prefetch)
+        super().__init__(model, optimizer, comm, prefetch=prefetch, working=working)
         names = {"dp_replicate": replicate, "dp_shard": comm} if replicate is not None else {"dp": comm}
         self.mesh = DeviceMesh(names)
 
@@ -188,10 +196,12 @@ class FullyShardedDataParallel(ZeroStage3):
         return state
 
 
-def build(options: FSDPOptions, grid, model, optimizer, prefetch: bool) -> FullyShardedDataParallel:
+def build(options: FSDPOptions, grid, model, optimizer, prefetch: bool,
+          working: Wire | None = None) -> FullyShardedDataParallel:
     """FSDP over the data-parallel ranks (dp·cp), or hybrid: sharded over dp_shard, replicated over
-    dp_replicate."""
+    dp_replicate; `working`: the 16-bit format the parameters are gathered in (bf16, fp16)."""
     if options.dp_replicate > 1:
         replicate, shard = factor_data_parallel(grid.dp_cp, options.dp_replicate)
-        return FullyShardedDataParallel(model, optimizer, shard, replicate=replicate, prefetch=prefetch)
-    return FullyShardedDataParallel(model, optimizer, grid.dp_cp, prefetch=prefetch)
+        return FullyShardedDataParallel(model, optimizer, shard, replicate=replicate, prefetch=prefetch,
+                                        working=working)
+    return FullyShardedDataParallel(model, optimizer, grid.dp_cp, prefetch=prefetch, working=working)

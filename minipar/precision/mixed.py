@@ -12,9 +12,10 @@ The idea (Micikevicius et al., "Mixed Precision Training", 2018), as three piece
   gradients are divided by it, every rank learns whether any rank saw an inf or NaN, and on overflow
   the step is skipped and the scale halved (`precision.DynamicLossScaler`).
 - `gradient_all_reduce` lets DDP send gradients in the 16-bit format over a ring (summing in fp32).
-- `parameter_wire` gives ZeRO-3 and chunked ZeRO-3 (which hold no whole parameters to round) the
-  16-bit format of the working copy: each rank rounds its fp32 master shard and the 2-byte patterns
-  are all-gathered, so the gathered unit is the working copy (zero3.py, zero_chunked.py).
+- `parameter_wire` gives ZeRO-3, chunked ZeRO-3 and FSDP (which hold no whole parameters to round)
+  the 16-bit format of the working copy: each rank rounds its fp32 master shard and the 2-byte
+  patterns are all-gathered, so the gathered unit is the working copy (zero3.py, zero_chunked.py,
+  fsdp.py).
 
 What it saves: half the bytes of every value computed in 16 bits (activations, the working weights,
 the gradient all-reduce) and, on hardware, 16-bit matrix units. Here NumPy holds the 16-bit values in
@@ -116,8 +117,8 @@ def low_precision_wire(fmt: str) -> Wire:
 
 
 def parameter_wire(precision: str) -> Wire | None:
-    """For ZeRO-3 and chunked ZeRO-3 in bf16 or fp16: a shard of fp32 masters to the 2-byte patterns
-    of its working copy (gathered at half of fp32's bytes) and back; None for fp64 and fp32."""
+    """For ZeRO-3, chunked ZeRO-3 and FSDP in bf16 or fp16: a shard of fp32 masters to the 2-byte
+    patterns of its working copy (gathered at half of fp32's bytes) and back; None for fp64 and fp32."""
     return low_precision_wire(precision) if precision in LOW_PRECISIONS else None
 
 

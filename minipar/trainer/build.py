@@ -143,7 +143,8 @@ def synchronising_updater(cfg, grid, model):
                                               working=mixed_precision.parameter_wire(cfg.precision))
         return experts.ExpertParallelUpdater(model, optimizer_of(model.parameters()), grid.dp, groups)
     if cfg.fsdp:  # each parameter sharded on dim 0 over dp (or dp_shard, hybrid): parallel/fsdp.py
-        return fsdp.build(cfg, grid, model, optimizer_of([]), prefetch=not cfg.no_overlap)
+        return fsdp.build(cfg, grid, model, optimizer_of([]), prefetch=not cfg.no_overlap,
+                          working=mixed_precision.parameter_wire(cfg.precision))  # bf16, fp16: as ZeRO-3
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
         if cfg.zero == 3:  # prefetching the next unit's parameters unless --no-overlap
             working = mixed_precision.parameter_wire(cfg.precision)  # bf16, fp16: gather the 16-bit copy

@@ -165,8 +165,8 @@ def _combinations(cfg: TrainConfig) -> list[str]:
          f"--fsdp with --zero {cfg.zero}: both shard the model states over dp; choose one"),
         (cfg.fsdp and (cfg.chunked or cfg.ep > 1),
          "--fsdp with chunked ZeRO-3 (--offload, --chunk-mb, --device-mem-mb) or --ep is not built"),
-        (cfg.fsdp and cfg.precision not in ("fp64", "fp32"),
-         f"--fsdp with --precision {cfg.precision} is not built: it runs in fp64 or fp32"),
+        (cfg.fsdp and cfg.precision == "fp8",
+         "--fsdp with --precision fp8 is not built: it runs in fp64, fp32, bf16 or fp16"),
         (cfg.fsdp and cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1,
          f"--schedule {cfg.schedule} with --fsdp: FSDP would have to gather the parameters again for each "
          "W step"),

@@ -287,6 +287,29 @@ def test_fsdp_checkpoints_reshard_like_every_other(saved, resumed):
     resumes_like_one_process(saved, resumed, saved_at=1, seed=7)
 
 
+
+@needs_world_size(2)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@mpi_test
+def test_a_16_bit_fsdp_save_resumes_in_16_bit_zero3_bitwise_like_the_uninterrupted_run(precision):
+    """On 2 ranks FSDP and ZeRO-3 train bit for bit alike in 16 bits (sums of two;
+    tests/precision/test_zero3_working_copy.py). A checkpoint holds the fp32 masters, the moments and
+    fp16's scaler, never the rounded working copy, and a load rounds the masters again: FSDP's
+    per-parameter rows saved after one step and resumed in ZeRO-3's flat units continue exactly as
+    the FSDP run that was never interrupted."""
+    directory, cfg = shared_directory(), TINY.replace(precision=precision, dp=2, steps=3, seed=5)
+    try:
+        whole, whole_state = run(cfg.replace(fsdp=True), WORLD)
+        first, _ = run(cfg.replace(fsdp=True, steps=1, save=str(directory)), WORLD)
+        rest, state = run(cfg.replace(zero=3, resume=str(directory)), WORLD)
+        if WORLD.rank == 0:
+            assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]
+            for name in whole_state:
+                np.testing.assert_array_equal(state[name], whole_state[name], err_msg=name)
+    finally:
+        if WORLD.rank == 0:
+            shutil.rmtree(directory)
+
 SAME_WORLD = [(layout, precision) for layout in LAYOUTS if layout[0] == WORLD.size
               for precision in ("fp64", "bf16", "fp16")
               if not validate(configured(TINY, layout).replace(precision=precision), WORLD.size)]

@@ -173,14 +173,15 @@ def test_an_overflow_on_one_ranks_shard_skips_the_step_on_every_rank_and_changes
 CHUNKED = {"offload": "cpu", "device_mem_mb": "auto", "chunk_mb": 0.004}  # small chunks: several per unit
 
 
-@pytest.mark.parametrize("layout", [{}, CHUNKED], ids=["zero3", "chunked"])
+@pytest.mark.parametrize("layout", [{"zero": 3}, {"zero": 3, **CHUNKED}, {"fsdp": True}],
+                         ids=["zero3", "chunked", "fsdp"])
 @mpi_test
-def test_an_overflow_skips_the_step_on_every_rank_with_zero_3_and_chunked_offload(comm, layout):
-    """The same verdict through ZeRO-3's and chunked ZeRO-3's gradients-ready point, whose shards (and
-    offloaded blocks) hold the master weights and the moments: an inf planted in one rank's shard after
-    two clean steps changes none of them, on any rank."""
+def test_an_overflow_skips_the_step_on_every_rank_with_zero_3_chunked_offload_and_fsdp(comm, layout):
+    """The same verdict through ZeRO-3's, chunked ZeRO-3's and FSDP's gradients-ready point, whose
+    shards (offloaded blocks, per-parameter rows) hold the master weights and the moments: an inf
+    planted in one rank's shard after two clean steps changes none of them, on any rank."""
     dp = comm.size
-    cfg = tiny(zero=3, dp=dp, batch_size=4 * dp, **layout)
+    cfg = tiny(dp=dp, batch_size=4 * dp, **layout)
     engine, scaler = fp16_zero_engine(cfg, comm.mpi)
     task = train.make_task(cfg)
     for step in range(2):
@@ -198,15 +199,17 @@ def test_an_overflow_skips_the_step_on_every_rank_with_zero_3_and_chunked_offloa
         np.testing.assert_array_equal(after[key], value, err_msg=str(key))
 
 
+@pytest.mark.parametrize("layout", [{"zero": 1}, {"fsdp": True}], ids=["zero1", "fsdp"])
 @mpi_test
-def test_fp16_zero_with_clipping_unscales_before_it_clips(comm):
+def test_fp16_zero_with_clipping_unscales_before_it_clips(comm, layout):
     """The order at the gradients-ready point: unscale, verdict, clip. The logged norm is that of the
-    true gradients, fp32's within fp16's rounding of them (clipping before the unscale would log it
-    2^16 times larger), and a skipped step logs none."""
+    true gradients, fp32's (with ZeRO-1) within fp16's rounding of them (clipping before the unscale
+    would log it 2^16 times larger; FSDP counting a parameter's padded rows or another rank's chunk
+    would move it), and a skipped step logs none."""
     dp = comm.size
-    cfg = tiny(zero=1, dp=dp, batch_size=4 * dp, clip_grad_norm=1e-3, steps=3)
-    fp16 = train.Trainer(cfg, comm.mpi).run()
-    fp32 = train.Trainer(cfg.replace(precision="fp32", steps=1), comm.mpi).run()
+    cfg = tiny(dp=dp, batch_size=4 * dp, clip_grad_norm=1e-3, steps=3)
+    fp16 = train.Trainer(cfg.replace(**layout), comm.mpi).run()
+    fp32 = train.Trainer(cfg.replace(precision="fp32", steps=1, zero=1), comm.mpi).run()
     if comm.rank == 0:
         assert not fp16[0]["loss_scaling"]["skipped"]
         assert abs(fp16[0]["grad_norm"] - fp32[0]["grad_norm"]) <= 1e-2 * fp32[0]["grad_norm"]

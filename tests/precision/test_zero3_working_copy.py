@@ -1,14 +1,17 @@
-"""bf16 and fp16 with ZeRO-3 and chunked ZeRO-3: fp32 master shards, the 16-bit working copy gathered.
+"""bf16 and fp16 with ZeRO-3, chunked ZeRO-3 and FSDP: fp32 master shards, the 16-bit working copy
+gathered.
 
     pytest -m "not mpi" tests/precision/test_zero3_working_copy.py                    # one rank
     mpiexec -n K python -m pytest -m mpi tests/precision/test_zero3_working_copy.py    # K = 2, 4, 8
 
-Each rank rounds its master shard and the 2-byte patterns are all-gathered (zero3.py, zero_chunked.py;
-precision/mixed.py's `parameter_wire`). The oracles: rounding being elementwise, a shard rounded then
+Each rank rounds its master shard and the 2-byte patterns are all-gathered (zero3.py, zero_chunked.py,
+fsdp.py; precision/mixed.py's `parameter_wire`). The oracles: rounding being elementwise, a shard rounded then
 gathered is, bit for bit, the whole rounded (what the single-process run and ZeRO 1-2, which hold
 whole parameters, compute with); ZeRO-2 reduce-scatters the same fp32 gradients unit by unit as ZeRO-3,
-so the two train bit for bit alike; the wire bytes and the model states are written from the formulas
-(2 bytes a gathered value; p = 2, g = 4 and the fp32 master in K = 4 + 8 for Adam).
+so the two train bit for bit alike, and so do FSDP and ZeRO-3 on 2 ranks (the same sums of two); the
+wire bytes and the model states are written from the formulas (2 bytes a gathered value, FSDP's shard
+each parameter's rows padded to a multiple of N; p = 2, g = 4 and the fp32 master in K = 4 + 8 for
+Adam).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_harness import at_world_size, mpi_given, mpi_test
+from mpi_harness import at_world_size, mpi_given, mpi_test, needs_world_size
 
 from minipar.core.shards import padded_numel
 from minipar.memory import planner
@@ -78,6 +81,17 @@ def test_one_rank_zero3_and_chunked_are_bit_equal_to_the_plain_16_bit_step(preci
         losses, skips, weights = run(cfg.replace(**layout), MPI.COMM_SELF)
         assert (losses, skips) == plain[:2], name
         np.testing.assert_array_equal(weights, plain[2], err_msg=name)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_one_rank_fsdp_in_16_bits_is_bit_equal_to_the_plain_step(precision):
+    """FSDP's per-parameter rows on one rank are each parameter whole: its working copy must be the
+    master rounded after every update, as ZeRO-3's."""
+    cfg = tiny(precision=precision, dp=1, microbatches=2)
+    losses, skips, weights = run(cfg.replace(fsdp=True), MPI.COMM_SELF)
+    plain = run(cfg, MPI.COMM_SELF)
+    assert (losses, skips) == plain[:2]
+    np.testing.assert_array_equal(weights, plain[2])
 
 
 def test_one_rank_zero3_in_bf16_holds_the_planners_bytes_for_16_bit_parameters_with_fp32_masters():
@@ -191,3 +205,74 @@ def test_zero3_gathers_16_bit_parameters_at_half_of_fp32s_bytes_and_holds_the_pl
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (value_bytes * shard, 4 * shard, k * shard)
     formula = planner.model_state_bytes(sum(sizes), n, 3, k=k, param_bytes=value_bytes, grad_bytes=4)
     assert 0 <= mem["params"] + mem["grads"] + mem["optimizer"] - formula < (4 + k + value_bytes) * len(sizes)
+
+
+
+# ---- FSDP2 (parallel/fsdp.py): the same working copy, gathered per parameter ----
+
+def per_parameter_shard(cfg) -> int:
+    """Elements of a rank's FSDP shard, from the shapes: each parameter's rows padded to a multiple
+    of N = dp, a rank keeping ceil(rows/N) of them (dim 0, FSDP2's torch.chunk)."""
+    model = build.build_model(cfg.replace(dp=1, fsdp=False), None)
+    return sum(-(-p.shape[0] // cfg.dp) * (p.size // p.shape[0]) for p in model.parameters())
+
+
+def fsdp_beside_zero3(cfg: TrainConfig, comm) -> tuple[dict, dict, tuple | None]:
+    """{layout: (losses, skips, weights)} of --fsdp and --zero 3 on the same ranks, the first record
+    of the FSDP run, and the single-process run (on rank 0)."""
+    trainer = train.Trainer(cfg.replace(fsdp=True), comm.mpi)
+    records = trainer.run()
+    full = trainer.full_state()
+    runs = {"fsdp": ([r["loss"] for r in records], [r["loss_scaling"]["skipped"] for r in records
+                                                    if "loss_scaling" in r],
+                     None if full is None else flat_weights(full)),
+            "zero3": run(cfg.replace(zero=3), comm.mpi)}
+    single = run(cfg.replace(dp=1, tp=1), MPI.COMM_SELF) if comm.rank == 0 else None
+    return runs, records[0], single
+
+
+def assert_within_tolerance_of_one_process(cfg, weights, losses, single) -> None:
+    """--check-reference's measure: the weights' norm-relative deviation, relative to how far
+    training moved them (more than 4 tolerances), and the losses, within the 16-bit tolerance."""
+    tolerance = TOLERANCE[cfg.precision]
+    start = flat_weights(train.Trainer(cfg.replace(dp=1, tp=1), MPI.COMM_SELF).full_state())
+    scale = np.linalg.norm(single[2])
+    assert np.linalg.norm(single[2] - start) > 4 * tolerance * scale  # training moved them
+    assert np.linalg.norm(weights - single[2]) / scale <= tolerance
+    np.testing.assert_allclose(losses, single[0], rtol=tolerance, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@needs_world_size(2)
+@mpi_test
+def test_fsdp_in_16_bits_trains_bit_for_bit_like_zero3_gathering_2_bytes_a_value(comm, precision):
+    """On 2 ranks FSDP and ZeRO-3 reduce-scatter the same fp32 gradients (a sum of two is the same in
+    either order, whichever rank's chunk holds a value) and gather the same rounded values, so losses,
+    fp16 skips and weights are bit-equal, and within the tolerance of one process. Rank 0's bytes of
+    the first step, from the formulas: the per-parameter shard gathered twice (forward, backward) at
+    2 bytes a value, the gradients reduce-scattered once in fp32; it holds its 2-byte shard, fp32
+    gradients and K = 4 + 8 (the master and AdamW's moments)."""
+    cfg = tiny(precision=precision, dp=2, batch_size=4, **TRAINING[precision])
+    runs, first, single = fsdp_beside_zero3(cfg, comm)
+    shard = per_parameter_shard(cfg)
+    assert first["comm"]["by_op"] == {"all_gather": 2 * shard * 2, "reduce_scatter": shard * 4}
+    assert (first["mem"]["params"], first["mem"]["grads"], first["mem"]["optimizer"]) == \
+        (2 * shard, 4 * shard, 12 * shard)
+    if comm.rank != 0:
+        return
+    assert runs["fsdp"][:2] == runs["zero3"][:2]
+    np.testing.assert_array_equal(runs["fsdp"][2], runs["zero3"][2])
+    assert_within_tolerance_of_one_process(cfg, runs["fsdp"][2], runs["fsdp"][0], single)
+
+
+@needs_world_size(4)
+@mpi_test
+def test_fsdp_in_fp16_over_tensor_parallel_shards_trains_bit_for_bit_like_zero3(comm):
+    """dp 2 x tp 2: FSDP cuts each tp shard's rows over dp; the same sums of two as ZeRO-3's."""
+    cfg = tiny(precision="fp16", dp=2, tp=2, n_head=2, d_model=10, batch_size=4, **TRAINING["fp16"])
+    runs, _, single = fsdp_beside_zero3(cfg, comm)
+    if comm.rank != 0:
+        return
+    assert runs["fsdp"][:2] == runs["zero3"][:2]
+    np.testing.assert_array_equal(runs["fsdp"][2], runs["zero3"][2])
+    assert_within_tolerance_of_one_process(cfg, runs["fsdp"][2], runs["fsdp"][0], single)

@@ -197,8 +197,8 @@ def test_validate_refuses_what_the_parser_would(changes, message):
     ({"dp_replicate": 2, "dp": 2}, 2, "--dp-replicate 2 needs --fsdp (hybrid sharding shards with FSDP)"),
     ({"fsdp": True, "dp_replicate": 3, "dp": 4}, 4, "--dp-replicate 3 does not divide --dp 4"),
     ({"fsdp": True, "dp_replicate": 0, "dp": 2}, 2, "--dp-replicate must be at least 1, got 0"),
-    ({"fsdp": True, "precision": "bf16", "dp": 2}, 2,
-     "--fsdp with --precision bf16 is not built: it runs in fp64 or fp32"),
+    ({"fsdp": True, "precision": "fp8", "dp": 2}, 2,
+     "--fsdp with --precision fp8 is not built: it runs in fp64, fp32, bf16 or fp16"),
 ])
 def test_fsdp_combinations_are_refused_in_one_line(changes, world, message):
     assert validate(TrainConfig(**changes), world) == [message]
