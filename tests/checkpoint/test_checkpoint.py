@@ -297,11 +297,19 @@ def test_a_16_bit_fsdp_save_resumes_in_16_bit_zero3_bitwise_like_the_uninterrupt
     fp16's scaler, never the rounded working copy, and a load rounds the masters again: FSDP's
     per-parameter rows saved after one step and resumed in ZeRO-3's flat units continue exactly as
     the FSDP run that was never interrupted."""
-    directory, cfg = shared_directory(), TINY.replace(precision=precision, dp=2, steps=3, seed=5)
+    cfg = TINY.replace(precision=precision, dp=2, steps=3, seed=5)
+    assert_resumed_run_is_the_whole_run(cfg.replace(fsdp=True), cfg.replace(fsdp=True, steps=1),
+                                        cfg.replace(zero=3))
+
+
+def assert_resumed_run_is_the_whole_run(whole_cfg, first_cfg, rest_cfg) -> None:
+    """whole_cfg uninterrupted; first_cfg saving into a shared folder, then rest_cfg resuming from it: the
+    losses and the final state must be the uninterrupted run's, bit for bit."""
+    directory = shared_directory()
     try:
-        whole, whole_state = run(cfg.replace(fsdp=True), WORLD)
-        first, _ = run(cfg.replace(fsdp=True, steps=1, save=str(directory)), WORLD)
-        rest, state = run(cfg.replace(zero=3, resume=str(directory)), WORLD)
+        whole, whole_state = run(whole_cfg, WORLD)
+        first, _ = run(first_cfg.replace(save=str(directory)), WORLD)
+        rest, state = run(rest_cfg.replace(resume=str(directory)), WORLD)
         if WORLD.rank == 0:
             assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]
             for name in whole_state:
@@ -309,6 +317,7 @@ def test_a_16_bit_fsdp_save_resumes_in_16_bit_zero3_bitwise_like_the_uninterrupt
     finally:
         if WORLD.rank == 0:
             shutil.rmtree(directory)
+
 
 SAME_WORLD = [(layout, precision) for layout in LAYOUTS if layout[0] == WORLD.size
               for precision in ("fp64", "bf16", "fp16")
@@ -319,15 +328,5 @@ SAME_WORLD = [(layout, precision) for layout in LAYOUTS if layout[0] == WORLD.si
 def test_resume_in_the_same_layout_is_bitwise_the_uninterrupted_run(case, saved_at):
     """Any precision: mixed precision's fp32 masters are the parameters, and fp16's scaler is saved."""
     layout, precision = case
-    directory, cfg = shared_directory(), configured(TINY, layout).replace(precision=precision)
-    try:
-        whole, whole_state = run(cfg, WORLD)
-        first, _ = run(cfg.replace(steps=saved_at, save=str(directory)), WORLD)
-        rest, state = run(cfg.replace(resume=str(directory)), WORLD)
-        if WORLD.rank == 0:
-            assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]
-            for name in whole_state:
-                np.testing.assert_array_equal(state[name], whole_state[name], err_msg=name)
-    finally:
-        if WORLD.rank == 0:
-            shutil.rmtree(directory)
+    cfg = configured(TINY, layout).replace(precision=precision)
+    assert_resumed_run_is_the_whole_run(cfg, cfg.replace(steps=saved_at), cfg)
