@@ -7,7 +7,7 @@ on pages the kernel must map and zero again on first touch: one minor page fault
 each. Setting both thresholds by hand keeps what is freed in the process for the next allocation, as
 PyTorch's caching allocator keeps GPU memory for the next step.
 
-What it saves: the default GPT's step takes about 3,800 page faults on one process, 5.6 ms of 22 ms
+What it saves: the default GPT's step takes about 2,500 page faults on one process, 5.7 ms of 30 ms
 (`python -m minipar bench recompute` shows the page faults of a step). What it costs: the process
 holds its peak of freed memory until it ends (the memory ledger, which counts what is alive, is not
 affected). The command line calls `keep_freed_memory()` once at start-up (install.py), unless
