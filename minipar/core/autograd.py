@@ -390,6 +390,11 @@ class Context:
     needs_input_grad: tuple[bool, ...] = ()
     recording = True  # False when no graph is recorded: then nothing saved is kept or counted
 
+    @property
+    def held_buffers(self) -> tuple:
+        """The buffers this ctx holds in the activation meter, each once (a saved view: its base)."""
+        return self._held
+
     def save_for_backward(self, *arrays):
         if not self.recording:  # a forward without a graph (no_grad, a recomputed block's first pass)
             return  # must not show its arrays to the meter even for an instant: peaks are exact

@@ -65,7 +65,7 @@ def bytes_by_saver(nodes) -> dict[str, int]:
     savers: dict[int, set] = defaultdict(set)
     nbytes = {}
     for node in nodes:
-        for base in node.ctx._held if node.ctx is not None else ():
+        for base in node.ctx.held_buffers if node.ctx is not None else ():
             savers[id(base)].add(node.function.__name__)
             nbytes[id(base)] = base.nbytes
     return by_row(savers, nbytes)
