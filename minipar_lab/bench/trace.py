@@ -31,11 +31,9 @@ from minipar_lab.bench.timing import SPREAD, plus_minus, spread
 DEFAULT_LAYOUT = ["--pp", "2", "--microbatches", "4"]
 
 
-def step_seconds(ranks: int, train_args: list[str], folder: Path, traced: bool, warmup: int) -> float:
-    """Median seconds of the steps after `warmup` of one job, plain or with --trace (into a new folder of
-    `folder`: a trace never writes over a file it did not make)."""
-    trace = ["--trace", str(folder / f"trace-{len(list(folder.glob('trace-*')))}")] if traced else []
-    records = run_train(ranks, [*train_args, *trace], folder / ("traced.jsonl" if traced else "plain.jsonl"))
+def step_seconds(ranks: int, train_args: list[str], log: Path, trace: Path | None, warmup: int) -> float:
+    """Median seconds of the steps after `warmup` of one job, plain or with `--trace trace`."""
+    records = run_train(ranks, [*train_args, *(["--trace", str(trace)] if trace else [])], log)
     return float(np.median([record["time_s"] for record in records[warmup:]]))
 
 
@@ -45,11 +43,12 @@ def trace_figures(ranks: int, train_args: list[str], repeats: int, steps: int, w
     args = [*train_args, "--steps", str(steps)]
     order = random.Random(0)
     times: dict[str, list[float]] = {"plain": [], "traced": []}
-    for _ in range(repeats):
+    for round_ in range(repeats):
         ways = ["plain", "traced"]
         order.shuffle(ways)
-        for way in ways:
-            times[way].append(step_seconds(ranks, args, folder, way == "traced", warmup))
+        for way in ways:  # each traced job its own folder: a trace never writes over a file it did not make
+            trace = folder / f"trace-{round_}" if way == "traced" else None
+            times[way].append(step_seconds(ranks, args, folder / f"{way}.jsonl", trace, warmup))
     plain, traced = np.array(times["plain"]), np.array(times["traced"])
     rows = []
     for way, seconds in (("plain", plain), ("traced", traced)):
