@@ -31,6 +31,7 @@ class Mutant:
 WORKING_COPY_TESTS = "tests/precision/test_zero3_working_copy.py"
 COMM_TESTS = ("tests/distributed/test_comm.py", "tests/distributed/test_collectives.py")
 TRACE_TESTS = "tests/trainer/test_trace.py"
+TRACE_BENCH_TESTS = "tests/bench/test_trace_bench.py"
 CHECKPOINT_BENCH_TESTS = "tests/bench/test_checkpoint_bench.py"
 SAVED_BENCH_TESTS = "tests/bench/test_saved_bench.py"
 
@@ -122,6 +123,23 @@ MUTANTS = [
     Mutant("trace-every-rank-named-by-rank-0s-coords", "minipar/trainer/trace.py",
            "events += metadata_events(rank, coords,", "events += metadata_events(rank, gathered[0][2],",
            tests=(TRACE_TESTS,), ranks=(8,)),
+    # the trace's cost (bench trace): counters kept in flat arrays, a trace that stops and listens again
+    Mutant("trace-counter-named-by-the-first-category", "minipar/trainer/trace.py",
+           "self.count_categories.append(self.category_names.index(category))",
+           "self.count_categories.append(0)", tests=(TRACE_TESTS,), ranks=(2,)),
+    Mutant("trace-stopped-still-records-the-trainers-spans", "minipar/trainer/trace.py",
+           "        if self.handles:\n            self.recorder.span(",
+           "        if True:\n            self.recorder.span(", tests=(TRACE_TESTS,)),
+    Mutant("bench-trace-ratio-plain-over-traced", "minipar_lab/bench/trace.py",
+           "[(a if a[\"traced\"] else b)[\"time_s\"] / (b if a[\"traced\"] else a)[\"time_s\"]",
+           "[(b if a[\"traced\"] else a)[\"time_s\"] / (a if a[\"traced\"] else b)[\"time_s\"]",
+           tests=(TRACE_BENCH_TESTS,)),
+    Mutant("bench-trace-never-stops-listening", "minipar_lab/bench/trace.py",
+           "        if not listening:\n            trace.stop()", "        if False:\n            trace.stop()",
+           tests=(TRACE_BENCH_TESTS,)),
+    Mutant("ledger-held-is-the-last-tiers-bytes", "minipar/memory/ledger.py",
+           "held = self._held[category] = self._held[category] + grown",
+           "held = self._held[category] = nbytes", tests=("tests/memory/test_ledger.py",)),
     # ---- issue 41: the bugs the third round's new tests were written to catch ----
     Mutant("moe-capacity-float", "minipar/core/moe.py",
            "factor = Fraction(repr(float(self.capacity_factor)))", "factor = self.capacity_factor",
@@ -242,8 +260,8 @@ MUTANTS = [
            "        if nbytes > self.peak[key] and tier != \"device\":\n"
            "            self.peak[key] = nbytes\n"),
     Mutant("ledger-device-total-counts-every-tier", "minipar/memory/ledger.py",
-           "        if tier == \"device\":\n            self._device_total += nbytes - self.current[key]",
-           "        if True:\n            self._device_total += nbytes - self.current[key]"),
+           "        if tier == \"device\":\n            self._device_total += grown",
+           "        if True:\n            self._device_total += grown"),
     Mutant("ledger-buffer-allocations-count-releases", "minipar/memory/ledger.py",
            "        if grown > 0:  # one buffer_meter.add", "        if grown != 0:  # one buffer_meter.add"),
     Mutant("ledger-reset-keeps-old-peaks", "minipar/memory/ledger.py",

@@ -53,6 +53,7 @@ class MemoryLedger:
         self.device_peak = 0
         self._device_total = 0  # the sum of current device bytes, kept up to date by set: set runs on
         # every saved activation, hundreds of times a step, and must not re-add fifteen numbers each time
+        self._held = dict.fromkeys(CATEGORIES, 0)  # each category summed over the tiers, kept the same way
         self.buffer_sizes = Counter()  # size -> temporary buffers allocated this window (fragmentation)
         self.subscriptions = [listen_weakly(autograd.activation_meter, self._activations_changed),
                               listen_weakly(buffer_meter, self._buffers_changed),
@@ -78,15 +79,19 @@ class MemoryLedger:
     def set(self, category: str, nbytes: int, tier: str = "device"):
         """Record that this rank now holds `nbytes` of `category` in `tier`."""
         key, nbytes = (category, tier), int(nbytes)
+        grown = nbytes - self.current[key]
         if tier == "device":
-            self._device_total += nbytes - self.current[key]
+            self._device_total += grown
+        held = self._held[category] = self._held[category] + grown
         self.current[key] = nbytes
         if nbytes > self.peak[key]:
             self.peak[key] = nbytes
-        self.held_peak[category] = max(self.held_peak[category], self.held(category))
-        self.device_peak = max(self.device_peak, self._device_total)
+        if held > self.held_peak[category]:
+            self.held_peak[category] = held
+        if self._device_total > self.device_peak:
+            self.device_peak = self._device_total
         if self.listeners:
-            self.listeners.call_all(category, self.held(category))
+            self.listeners.call_all(category, held)
 
     def add(self, category: str, nbytes: int, tier: str = "device"):
         self.set(category, self.current[(category, tier)] + nbytes, tier)
@@ -102,7 +107,7 @@ class MemoryLedger:
 
     def held(self, category: str) -> int:
         """Bytes of `category` in all tiers (offload moves them between tiers: the sum is what is held)."""
-        return sum(self.current[(category, t)] for t in TIERS)
+        return self._held[category]
 
     def device_total(self) -> int:
         return self._device_total

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import time
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,23 @@ class Recorder:
         self.events: list[dict] = []
         self.open_waits: list[dict] = []  # watched waits begun and not yet ended (innermost last)
         self.memory: dict[str, int] = {}  # the last value of each counter: only changes are recorded
+        # Each counter change: nine events in ten are these, one per saved activation, so they go into
+        # flat arrays (seconds, category's index, bytes), which allocate no object the garbage collector
+        # must visit (a dict or a tuple each would, and make it run about once a step), and become events
+        # only when the trace is written.
+        self.count_times, self.count_categories, self.count_bytes = array("d"), array("B"), array("q")
+        self.category_names: list[str] = []
+
+    def counts(self) -> int:
+        """Memory counter changes recorded so far."""
+        return len(self.count_times)
+
+    def all_events(self) -> list[dict]:
+        """The events so far, the memory counters' among them."""
+        names = [f"memory: {category}" for category in self.category_names]
+        return self.events + [{"ph": "C", "name": names[index], "tid": COMPUTE, "t": seconds,
+                               "args": {"bytes": nbytes}} for seconds, index, nbytes
+                              in zip(self.count_times, self.count_categories, self.count_bytes)]
 
     def span(self, tid: int, name: str, started: float, stopped: float, cat: str, args=None) -> dict:
         event = {"ph": "X", "name": name, "cat": cat, "tid": tid, "t": started, "end": stopped,
@@ -138,9 +156,12 @@ class Recorder:
 
     def memory_changed(self, category: str, nbytes: int) -> None:
         if self.memory.get(category) != nbytes:
+            if category not in self.memory:
+                self.category_names.append(category)
             self.memory[category] = nbytes
-            self.events.append({"ph": "C", "name": f"memory: {category}", "tid": COMPUTE,
-                                "t": time.perf_counter(), "args": {"bytes": nbytes}})
+            self.count_times.append(time.perf_counter())
+            self.count_categories.append(self.category_names.index(category))
+            self.count_bytes.append(nbytes)
 
     def moved(self, category: str, source: str, target: str, nbytes: int, started: float, stopped: float):
         self.span(OFFLOAD, f"{source}->{target}", started, stopped, "offload",
@@ -198,29 +219,38 @@ class Trace:
                       world.world_ranks[world.rank]):
             self.origin = mpi.bcast(time.perf_counter() if world.rank == 0 else None, root=0)
             self.offset, self.error_bound = clock_offset(mpi, grid.nodes)
+        self.memory, self.engine = memory, engine
+        self.handles: list = []
+        self.listen()
+
+    def listen(self) -> None:
+        """Subscribe the recorder to every hook; `stop` removes them. A trace may stop and listen again:
+        `bench trace` does, on every other step, to measure the trace's cost in one job."""
         recorder = self.recorder
-        self.handles = [world.ledger.subscribe(recorder), memory.subscribe(recorder.memory_changed),
-                        engine.register_phase_hook(recorder.phase),
-                        engine.runner.register_action_hook(recorder.action),
+        self.handles = [self.world.ledger.subscribe(recorder), self.memory.subscribe(recorder.memory_changed),
+                        self.engine.register_phase_hook(recorder.phase),
+                        self.engine.runner.register_action_hook(recorder.action),
                         move_meter.subscribe(recorder.moved), WATCHDOG.add_reporter(self.stalled)]
 
     def shift(self) -> float:
         return self.offset - self.origin
 
     def span(self, name: str, started: float, stopped: float, args=None) -> None:
-        """A span of the trainer's own (a step, a checkpoint save) on the compute track."""
-        self.recorder.span(COMPUTE, name, started, stopped, "trainer", args)
+        """A span of the trainer's own (a step, a checkpoint save) on the compute track, while listening."""
+        if self.handles:
+            self.recorder.span(COMPUTE, name, started, stopped, "trainer", args)
 
     def stop(self) -> None:
         for handle in self.handles:
             handle.remove()
+        self.handles = []
 
     def stalled(self, line: str) -> None:
         """The watchdog is ending this rank (a collective stalled): no merge will happen, so the rank
         writes its own events so far, the stall last, to DIR/trace-rank-R.json (a trace on its own)."""
         self.recorder.instant(COMM, "watchdog: " + line.strip(), "watchdog")
         rank = self.world.rank  # pid = rank, as in the merged trace
-        events = in_microseconds(self.recorder.events, rank, self.shift())
+        events = in_microseconds(self.recorder.all_events(), rank, self.shift())
         tids = {COMPUTE} | {e["tid"] for e in events}
         named = metadata_events(rank, self.grid.coords_of(self.world.rank), tids)
         try:
@@ -231,7 +261,7 @@ class Trace:
     def finish(self, records: list[dict]) -> None:
         """Every rank's events to rank 0, which writes DIR/trace.json. Collective over the world."""
         self.stop()
-        mine = in_microseconds(self.recorder.events, self.world.rank, self.shift())
+        mine = in_microseconds(self.recorder.all_events(), self.world.rank, self.shift())
         clock = (self.offset, self.error_bound)
         gathered = self.world.gather_obj((mine, clock, self.grid.coords_of(self.world.rank)), root=0)
         if self.world.rank == 0:

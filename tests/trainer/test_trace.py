@@ -288,3 +288,31 @@ def test_without_trace_nothing_listens_and_a_trace_leaves_no_listener_behind(tmp
             moved[direction] = moved.get(direction, 0) + nbytes
     assert mine["steps"] == 2 and mine["offload_bytes"] == moved and moved["cpu->device"] > 0
     assert mine["memory_peak"]["buffers"] == max(r["mem"]["buffers_peak"] for r in records)
+
+
+def test_a_stopped_trace_records_nothing_until_it_listens_again(tmp_path):
+    """`bench trace` measures the cost by stopping the trace on every other step: stopped, no hook is
+    left (no per-event work) and no event is recorded, the trainer's own step span included; listening
+    again, every hook is back and events are recorded, memory counters among them."""
+    cfg = TrainConfig(steps=3, batch_size=2, seq_len=8, quiet=True, trace=str(tmp_path / "t")).resolved(1)
+    trainer = train.Trainer(cfg, MPI.COMM_SELF)
+    recorder = trainer.trace.recorder
+
+    def recorded() -> int:
+        return len(recorder.events) + recorder.counts()
+
+    trainer.step(0)
+    first = recorded()
+    assert first > 0 and recorder.counts() > 0
+    trainer.trace.stop()
+    assert not trainer.world.ledger.listeners and not trainer.memory.listeners and not move_meter.listeners
+    trainer.step(1)
+    assert recorded() == first
+    trainer.trace.listen()
+    assert len(trainer.world.ledger.listeners) == len(trainer.memory.listeners) == 1
+    trainer.step(2)
+    assert recorded() > first
+    steps = [e["name"] for e in recorder.all_events() if e.get("cat") == "trainer"]
+    assert steps == ["step 0", "step 2"]
+    trainer.trace.stop()
+    trainer.memory.close()
