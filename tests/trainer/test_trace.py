@@ -196,7 +196,8 @@ def test_pipeline_trace_is_valid_and_its_figures_are_the_logs(tmp_path):
 def test_make_demos_3d_layout_traces_every_rank_and_its_bytes_and_bubble_are_the_logs(tmp_path):
     """`make demo`'s layout (dp 2 x pp 2 x tp 2, ZeRO-1, 4 micro-batches) on a tiny GPT: the merged
     trace keeps the format's rules, names all 8 ranks, and from it alone each rank's bytes per dimension
-    are its traffic ledger's and each step's bubble is its pipeline's `bubble_measured`."""
+    are its traffic ledger's, its pipeline actions are its stage's Gantt record (labels, order and
+    durations) and each step's bubble is its pipeline's `bubble_measured`."""
     trace, every, _ = traced_run(tmp_path, dp=2, pp=2, tp=2, zero=1, microbatches=4, batch_size=8,
                                  seq_len=8, d_model=16, n_layer=2, n_head=2)
     if not trace:
@@ -210,6 +211,13 @@ def test_make_demos_3d_layout_traces_every_rank_and_its_bytes_and_bubble_are_the
     for rank, records in enumerate(every):
         sent = sum_of(records, "by_dim")
         assert figures[rank]["bytes_by_dim"] == sent and all(sent[dim] > 0 for dim in ("dp", "tp", "pp"))
+        stage = trace["otherData"]["coords"][rank][1]  # (dp, pp, tp, cp): this rank's pipeline stage
+        actions = sorted((e for e in trace["traceEvents"] if e["pid"] == rank and e.get("cat") == "action"),
+                         key=lambda e: e["ts"])
+        gantt = [(label, stop - start) for r in records
+                 for label, start, stop in r["pipeline"]["stage_action_times_s"][stage]]
+        assert [e["name"] for e in actions] == [label for label, _ in gantt] and len(gantt) == 2 * 8
+        assert all(abs(e["dur"] * US - seconds) <= US for e, (_, seconds) in zip(actions, gantt))
         # each action's edges and the makespan's two are rounded down to a microsecond (see above)
         for bubble, record in zip(figures[rank]["bubble"], records, strict=True):
             timing = record["pipeline"]
