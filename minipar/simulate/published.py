@@ -34,11 +34,21 @@ Sources, each checked here against the text named:
   'type:transformer|embedding'` (L + 2 slots, each embedding one: the first and last stages hold one
   block fewer). TFLOP/s by eq. 3 of Narayanan et al. (the 96 form; math/README.md of the same
   repository, "Calculate TFLOPs").
-- GPT-NeoX-20B (Black et al. 2022, arXiv 2204.06745: 117 TFLOP/s per GPU, as quoted to this
-  project: the paper's own text could not be read here, so the figure stays unchecked; 12 nodes of 8
-  A100-40GB, 4 HDR InfiniBand adapters per node; shape and layout from configs/20B.yml at tag v1.0 of
-  github.com/EleutherAI/gpt-neox, checked): tp 2, pp 4, micro-batch 4, 32 micro-batches, full
-  recomputation, fp16, ZeRO-1. Its FLOP formula (megatron/logging.py's get_flops at v1.0, checked):
+- GPT-NeoX-20B (Black et al. 2022, arXiv 2204.06745, read in its arXiv LaTeX source, mirrored at
+  dataset/train/2204.06745v1/2204.06745v1.tex of github.com/jd-coderepos/sota, commit aa5c9e4f35).
+  Section 3: "we found that the most efficient way to distribute the model given our hardware setup
+  was to set a tensor parallel size of 2, and a pipeline parallel size of 4 [...] In this fashion, we
+  were able to achieve and maintain an efficiency of 117 teraFLOPS per GPU." Section 2.3: twelve
+  servers of eight A100-SXM4-40GB, four ConnectX-6 HCAs (HDR InfiniBand) per node. Appendix B's
+  configuration table: model-parallel-size 2, pipe-parallel-size 4, train-micro-batch-size-per-gpu
+  4, gradient-accumulation-steps 32, zero-optimization.stage 1, fp16, checkpoint-activations,
+  train-iters 150000 (the paper's text says 1538 contexts a batch; the configuration makes 4 x 32 x
+  12 = 1536, used here). 117 TFLOP/s in get_flops is a step of 1536 sequences in 43.85 s, 150,000
+  steps in 1,827 hours; a secondary summary of the paper (nl2code.github.io) gives 1,830 hours of
+  training (the paper's number is in math mode, blanked in the mirror). Shape and layout from
+  configs/20B.yml at tag v1.0 of github.com/EleutherAI/gpt-neox, checked: tp 2, pp 4, micro-batch 4,
+  32 micro-batches, full recomputation, fp16, ZeRO-1. Its FLOP formula (megatron/logging.py's
+  get_flops at v1.0, checked):
   `train_batch_size * seq_length * (total_params * 6 + seq_length * hidden_size * num_layers * 60)
   / (iter_time_s * world_size)` with N = 20,556,201,984 parameters (the model card). Nothing
   overlapped: with pipe-parallel-size >= 1 GPT-NeoX runs DeepSpeed's PipelineEngine
@@ -47,21 +57,27 @@ Sources, each checked here against the text named:
   deepspeed/runtime/pipe/ of github.com/EleutherAI/DeeperSpeed at v1.0); `overlap_comm` acts at
   ZeRO-2 only. Not modelled: ZeRO-1's all-gather of the updated parameters after it.
 - Pythia 2.8B, 6.9B and 12B (Biderman et al. 2023, arXiv 2304.01373, trained with GPT-NeoX v1.0:
-  the gpt-neox README): Appendix D, "Training Hardware and GPU hours", Table 5: 64, 128 and 256
-  GPUs, 14,240, 33,500 and 72,300 GPU-hours, "calculated via (iteration time (s) x number of
-  iterations x number of GPUs / 3600 s/hour). All GPUs are A100s with 40GB of memory." (the
-  appendix's text read in an extracted copy of the paper, whose Table 5 is an image; its digits as
-  a public transcription of the arXiv text gives them). So a step took GPU-hours x 3600 /
-  (143,000 x GPUs) s: 143,000 iterations of 1024 sequences of 2048 (train-iters and the layout in
-  models/<size>/pythia-<size>.yml of github.com/EleutherAI/pythia): tp 1, 2, 4, pp 1, micro-batch
-  16, 8, 8 with 1, 2, 2 accumulation steps, full recomputation, fp16, ZeRO-1, flash attention.
-  The figure is that step time put in get_flops (the error is the step times' ratio whatever the
-  formula), N = Table 1's non-embedding parameters + the untied embedding and head, 2·V·h, V padded
-  to 50304, 50432, 50688 (multiples of 128·tp): 2,775,208,960, 6,857,302,016 and 11,846,072,320.
-  Nothing overlapped (pipe-parallel-size 1: the PipelineEngine, as above). The cluster is not named;
-  rule: AWS p4d.24xlarge (8 A100-40GB a node, AWS's instance table; 400 Gb/s of EFA a node, AWS's
-  figure for the instance, not found in a page read here), because the configs read from `/fsx/`
-  (Amazon FSx for Lustre) and the paper thanks Stability AI for the compute.
+  the gpt-neox README), read in its arXiv LaTeX source (v2, mirrored at dataset/train/
+  2304.01373v2/2304.01373v2.tex of github.com/jd-coderepos/sota, commit aa5c9e4f35): Appendix D,
+  "Training Hardware and GPU hours", Table 5 rows "2.8 B & 64 & 14,240", "6.9 B & 128 & 33,500",
+  "12 B & 256 & 72,300" (total 136,070; x 2 data sets x 2 trainings = the 544,280 A100-hours the
+  appendix states), caption: "the total number of GPU hours, calculated via (iteration time (s)
+  [x] number of iterations [x] number of GPUs [/] 3600 s/hour). All GPUs are A100s with 40GB of
+  memory." So a step took GPU-hours x 3600 / (143,000 x GPUs) s: 143,000 iterations of 1024
+  sequences of 2048 (train-iters and the layout in models/<size>/pythia-<size>.yml of
+  github.com/EleutherAI/pythia; Appendix E, Table 6: pipe-parallel-size 1, zero-optimization.stage
+  1, fp16, checkpoint-activations, flash attention, "the 6.9b models were trained with
+  model-parallel-size = 2 and the 12b models [...] = 4"): tp 1, 2, 4, pp 1, micro-batch 16, 8, 8
+  with 1, 2, 2 accumulation steps. The figure is that step time put in get_flops (the error is the
+  step times' ratio whatever the formula), N = Table 1's non-embedding parameters + the untied
+  embedding and head, 2·V·h, V padded to 50304, 50432, 50688 (multiples of 128·tp): 2,775,208,960,
+  6,857,302,016 and 11,846,072,320. Nothing overlapped (pipe-parallel-size 1: the PipelineEngine, as
+  above). The cluster is not named; rule: AWS p4d.24xlarge, because the configs read from `/fsx/`
+  (Amazon FSx for Lustre) and the paper's acknowledgments read "We are grateful to Stability AI for
+  providing the compute required to train these models". Its network: "8 x 40 GB NVIDIA Tesla A100
+  GPUs with NVSwitch and 400 Gbps Elastic Fabric Adapter (EFA) enabled networking" (AWS, "Amazon EC2
+  P4d instances deep dive", aws.amazon.com/blogs/compute/amazon-ec2-p4d-instances-deep-dive/, read in
+  a syndicated copy). With the 20B cluster's network instead, pythia-12b would be +21.3%.
 """
 
 from __future__ import annotations
