@@ -66,6 +66,13 @@ MUTANTS = [
            '"p4d": lambda: machine("a100-40gb", inter_bandwidth=10.75e9)'),
     Mutant("published-neox-flops-the-20b-parameters", "minipar/simulate/published.py",
            "6 * parameters + 60 * m.seq_len", "6 * 20_556_201_984 + 60 * m.seq_len"),
+    # ---- issue 44: Megatron 2022's runs as its Table 3 and section 6 give them ----
+    Mutant("published-mlm22-530b-on-1f1b", "minipar/simulate/published.py",
+           '"mlm22-530b", 128, 20480, 105, 35, 280, 280, 1, 3, 56.0',
+           '"mlm22-530b", 128, 20480, 105, 35, 280, 280, 1, 1, 56.0'),
+    Mutant("published-mlm22-interleaved-without-its-chunks", "minipar/simulate/published.py",
+           'schedule="interleaved" if chunks > 1 else "1f1b",\n                    virtual_stages=chunks)',
+           'schedule="interleaved" if chunks > 1 else "1f1b")'),
     # ---- issue 47: placements on a device mesh, FSDP2 and hybrid sharding ----
     Mutant("placements-gather-keeps-the-padding", "minipar/parallel/placements.py",
            "    return xp.moveaxis(gathered[:n], 0, dim)", "    return xp.moveaxis(gathered, 0, dim)",

@@ -9,14 +9,20 @@ Lesson: lessons/14_simulate.md, "Published against predicted: other runs".
 
 Sources, each checked here against the text named:
 - Megatron 2022 (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-  Models", arXiv 2205.05198): model FLOPs utilization 41.5, 51.4, 56.0, 56.3% for 22B, 175B, 530B
-  and 1T, as NVIDIA's Megatron-LM README gave them (the table "Model FLOPs Utilization", README.md
-  at the parent of commit f2e5db402c of github.com/NVIDIA/Megatron-LM), "measured using a data
-  parallel size of one"; shapes and layouts from the paper's Table 3 (not rechecked here): A100-80GB
-  (Selene), sequence 2048, vocabulary 51200, selective recomputation with sequence parallelism,
-  micro-batch 4 for 22B and 1 for the others. Lesson 14 reads Table 3 as interleaving the 175B
-  pipeline, with no chunk count given: 1F1B for all four here (rule: a schedule not sized is 1F1B).
-  MFU = 72·B·s·L·h²(1 + s/6h + V/12Lh) / (time x GPUs x 312 TFLOP/s).
+  Models", arXiv 2205.05198, read in a full-text conversion of the arXiv PDF; no second copy of its
+  body was found). Table 3, "Model configurations used during evaluation" (heads, width, blocks, tp,
+  pp, GPUs, global batch, micro-batch): 22B 64, 6144, 48, 8, 1, 8, 4, 4; 175B 96, 12288, 96, 8, 8, 64,
+  64, 1; 530B 128, 20480, 105, 8, 35, 280, 280, 1; 1T 160, 25600, 128, 8, 64, 512, 512, 1. Section 6:
+  "We use the interleaving schedule with three interleaving stages (m = 3) for the 175B and 530B
+  models", s = 2048, v = 51200, "no data parallelism", Selene's A100-80GB. Table 5 (iteration times
+  1.10, 13.75, 37.83, 71.49 s): model FLOPs utilization 41.5, 51.4, 56.0, 56.3%, the same figures as
+  NVIDIA's Megatron-LM README gave them (the table "Model FLOPs Utilization", README.md at the parent
+  of commit f2e5db402c of github.com/NVIDIA/Megatron-LM); its eq. 7 over those times and Table 3's
+  shapes gives 41.6, 51.4, 56.0, 56.3, which checks the shapes. Selective recomputation with
+  sequence parallelism, bf16. Nothing overlapped across dp (dp 1; section 6.3: "we do not use any
+  overlapping of gradient all-reduces"); section 6.2 names one tp overlap, the backward's all-reduce
+  under the weight-gradient GEMM, which Layout.overlap's "tp" (forward and backward) does not
+  express: not modelled. MFU = 72·B·s·L·h²(1 + s/6h + V/12Lh) / (time x GPUs x 312 TFLOP/s).
 - Megatron-Core on H100 (the Megatron-LM README since commit f2e5db402c, July 2024: images/
   model_table.png, its nine rows; the text beside it): vocabulary 131072, sequence 4096, data-,
   tensor- and pipeline-parallel communication overlapped with compute (`--overlap-grad-reduce
@@ -134,10 +140,11 @@ def megatron_2021_flops(m: ModelShape, sequences: int) -> float:
     return hardware_flops(m, sequences, "full")
 
 
-def _megatron_2022(name, heads, h, layers, pp, gpus, batch, microbatch, mfu) -> PublishedRun:
+def _megatron_2022(name, heads, h, layers, pp, gpus, batch, microbatch, chunks, mfu) -> PublishedRun:
     shape = ModelShape(layers, h, heads, 2048, 51200)
     layout = Layout(batch, microbatches=batch // microbatch, dp=1, tp=8, pp=pp, recompute="selective",
-                    sp=True, precision="bf16")
+                    sp=True, precision="bf16", schedule="interleaved" if chunks > 1 else "1f1b",
+                    virtual_stages=chunks)
     assert layout.gpus == gpus
     return PublishedRun(name, "megatron-2022", shape, layout, "selene", mfu, "mfu", model_flops)
 
@@ -170,10 +177,11 @@ def _pythia(name, layers, h, heads, vocab, tp, accumulation, gpus, gpu_hours, pa
 
 
 RUNS = [
-    _megatron_2022("mlm22-22b", 64, 6144, 48, 1, 8, 4, 4, 41.5),
-    _megatron_2022("mlm22-175b", 96, 12288, 96, 8, 64, 64, 1, 51.4),
-    _megatron_2022("mlm22-530b", 128, 20480, 105, 35, 280, 280, 1, 56.0),
-    _megatron_2022("mlm22-1t", 160, 25600, 128, 64, 512, 512, 1, 56.3),
+    # Megatron 2022: (heads, width, blocks, pp, GPUs, batch, micro-batch, chunks a stage, MFU %): Tables 3, 5
+    _megatron_2022("mlm22-22b", 64, 6144, 48, 1, 8, 4, 4, 1, 41.5),
+    _megatron_2022("mlm22-175b", 96, 12288, 96, 8, 64, 64, 1, 3, 51.4),
+    _megatron_2022("mlm22-530b", 128, 20480, 105, 35, 280, 280, 1, 3, 56.0),
+    _megatron_2022("mlm22-1t", 160, 25600, 128, 64, 512, 512, 1, 1, 56.3),
     # Megatron-Core: (heads, width, blocks, tp, pp, batch, TFLOP/s per GPU); dp 48 on every row
     _megatron_core("mcore-1.7b", 16, 2048, 24, 1, 1, 192, 408.8),
     _megatron_core("mcore-7.1b", 32, 4096, 30, 2, 1, 192, 465.9),

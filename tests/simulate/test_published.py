@@ -101,6 +101,31 @@ def test_pythias_figures_are_table_5s_gpu_hours_in_get_flops():
     assert runs["pythia-12b"].published == pytest.approx(108.0, abs=0.05)
 
 
+def test_megatron_2022s_runs_are_table_3s_layouts_at_table_5s_mfu():
+    """Korthikanti et al. (arXiv 2205.05198): Table 3's heads, width, blocks, tp, pp, GPUs, batch and
+    micro-batch; section 6's interleaved schedule with m = 3 for 175B and 530B, s = 2048, v = 51200,
+    dp 1. Each MFU is eq. 7, 72·B·L·s·h²(1 + s/6h + v/12hL), over Table 5's iteration time (rounded to
+    0.01 s) x GPUs x 312 TFLOP/s, to the published figure's 0.05."""
+    table3 = {"mlm22-22b": (64, 6144, 48, 8, 1, 8, 4, 4, 1, 1.10),
+              "mlm22-175b": (96, 12288, 96, 8, 8, 64, 64, 1, 3, 13.75),
+              "mlm22-530b": (128, 20480, 105, 8, 35, 280, 280, 1, 3, 37.83),
+              "mlm22-1t": (160, 25600, 128, 8, 64, 512, 512, 1, 1, 71.49)}
+    runs = {r.name: r for r in published.RUNS if r.kind == "megatron-2022"}
+    assert set(runs) == set(table3)
+    for name, (a, h, L, t, p, gpus, B, b, m, seconds) in table3.items():
+        run, lay = runs[name], runs[name].layout
+        assert (run.shape.n_head, run.shape.d_model, run.shape.n_layer) == (a, h, L)
+        assert (run.shape.seq_len, run.shape.vocab) == (2048, 51200)
+        assert (lay.tp, lay.pp, lay.dp, lay.gpus) == (t, p, 1, gpus)
+        assert (lay.batch_size, lay.microbatch_size) == (B, b)
+        assert (lay.schedule, lay.chunks) == (("interleaved", 3) if m == 3 else ("1f1b", 1))
+        assert (lay.recompute, lay.sp) == ("selective", True)
+        s, v = 2048, 51200
+        flops = 72 * B * L * s * h * h * (1 + s / (6 * h) + v / (12 * h * L))
+        slowest, fastest = (100 * flops / ((seconds + d) * gpus * 312e12) for d in (0.005, -0.005))
+        assert slowest - 0.05 <= run.published <= fastest + 0.05, name
+
+
 EXPLAINED = {"bloom-176b-tp8"}  # beyond 20%: lesson 14 names what the model lacks (synchronous launches)
 
 
