@@ -26,20 +26,22 @@ LayerNorm's saved statistics (1/std, sb per LayerNorm), which they leave out. In
 
 Their 34sbh + 5as²b for t = 1 is this in 2-byte values with 2sbh of dropout masks and 4as²b of
 attention dropout added. With sequence parallelism (parallel/sequence.py) the LayerNorms work on s/t
-positions, so their 2sbh + 2sb become (2sbh + 2sb)/t, and full recomputation keeps sbh/t per block:
+positions, so their 2sbh + 2sb become (2sbh + 2sb)/t; QKV and fc keep their piece of the gathered
+input, sbh/t each, and all-gather it again in backward, as Megatron does; and full recomputation keeps
+sbh/t per block. Every item is divided by t, as their sbh(34/t + 5as/(ht)) is:
 
-    none, --sp:            sbh(2 + 14/t) + as²b/t + 2sb/t
-    selective, --sp:       sbh(2 + 14/t) + 2sb/t
+    none, --sp:            16sbh/t + as²b/t + 2sb/t
+    selective, --sp:       16sbh/t + 2sb/t
     full, --sp:            sbh/t
 
-The 2sbh left whole under --sp are the gathered inputs of QKV and fc: each Linear saves the input it
-multiplies, where Megatron saves the sequence piece and all-gathers it again in backward (their
-sbh(34/t + 5as/(ht)), everything divided by t). Integer indices are saved too, 8 bytes each whatever
+The gathered input that is made again in backward, from the first reader's weight gradient to the last
+one's, is a temporary buffer (the memory ledger's buffer meter), not a saved activation: it is not in
+these formulas, as it is not in the paper's. Integer indices are saved too, 8 bytes each whatever
 the value size (`index_bytes`): the token ids (sb) and positions (s) of the lookups, the targets (sb)
 of the loss. A run's peak adds the embedding (0 values; 2sb with tensor parallelism: its lookups'
-masks, plus their ids) and the head (ln_f sbh + sb, over t with --sp; lm_head's input sbh; the softmax
-sbV/t; the loss, scaled by a constant, nothing), and, with recomputation, the largest transient of
-backward: a block recomputed on top of the kept inputs. `gpt_activation_peak` is that high-water mark
+masks, plus their ids) and the head (ln_f sbh + sb and lm_head's input sbh, each over t with --sp; the
+softmax sbV/t; the loss, scaled by a constant, nothing), and, with recomputation, the largest transient
+of backward: a block recomputed on top of the kept inputs. `gpt_activation_peak` is that high-water mark
 for one pipeline stage holding the whole model (pp = 1); the memory ledger's measured
 `activations_peak` equals it to the byte (tests/parallel/test_recompute.py, test_sequence.py).
 Lesson: lessons/01_autograd.md.
@@ -55,11 +57,11 @@ INDEX_BYTES = 8  # an int64 index (token ids, positions, targets), whatever the 
 def block_activation_values(s: int, b: int, h: int, a: int, t: int = 1, recompute: str = "none",
                             sp: bool = False) -> int:
     """Values one transformer block keeps for backward on one tensor-parallel rank."""
-    p = t if sp else 1  # sequence parallelism: the LayerNorms and the block input on s/t positions
+    p = t if sp else 1  # sequence parallelism: the LayerNorms, the gathered inputs, the block input over t
     if recompute == "full":
         return s * b * h // p
     layer_norms = 2 * (s * b * h + s * b) // p
-    gathered = 2 * s * b * h  # QKV's and fc's inputs, whole (gathered under --sp)
+    gathered = 2 * s * b * h // p  # QKV's and fc's inputs (--sp: their piece, gathered again in backward)
     kept = layer_norms + gathered + 12 * s * b * h // t  # q, k, v, proj, GELU and fc2 inputs, split
     return kept if recompute == "selective" else kept + a * s * s * b // t
 
@@ -71,10 +73,10 @@ def attention_core_values(s: int, b: int, h: int, a: int, t: int = 1) -> int:
 
 
 def head_values(s: int, b: int, h: int, vocab: int, t: int = 1, sp: bool = False) -> int:
-    """ln_f (sbh + sb, over tp with --sp), lm_head's input (sbh), the vocab-parallel softmax
+    """ln_f (sbh + sb) and lm_head's input (sbh), each over tp with --sp, the vocab-parallel softmax
     (sb V/t, V padded to a multiple of t); the loss's scaling by 1/tokens keeps nothing."""
     start, stop = padded_bounds(vocab, t, 0)
-    return (s * b * h + s * b) // (t if sp else 1) + s * b * h + s * b * (stop - start)
+    return (2 * s * b * h + s * b) // (t if sp else 1) + s * b * (stop - start)
 
 
 def head_index_bytes(s: int, b: int, t: int = 1) -> int:
@@ -107,5 +109,5 @@ def gpt_activation_peak(s: int, b: int, h: int, a: int, n_layer: int, vocab: int
         return max(end_of_forward, kept + recomputed * bytes_per_value)
     # selective: backward reruns the last block's core once ln_2, the MLP and proj have been through
     # backward, on top of what remains of the block (ln_1, the QKV input, the core's q, k, v)
-    freed = (s * b * h + s * b) // (t if sp else 1) + s * b * h + 9 * s * b * h // t
+    freed = (2 * s * b * h + s * b) // (t if sp else 1) + 9 * s * b * h // t  # ln_2, fc's input; the split
     return max(end_of_forward, kept + (attention_core_values(s, b, h, a, t) - freed) * bytes_per_value)

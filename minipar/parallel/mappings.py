@@ -7,6 +7,8 @@ Function whose backward is its adjoint, the collective that carries the gradient
     g  ReduceFromTensorParallel      all-reduce          | identity            (after a row layer)
        GatherFromTensorParallel      all-gather columns  | keep this rank's columns
        GatherFromSequenceParallel    all-gather sequence | reduce-scatter sequence   (entering tp, sp)
+       LinearOnGatheredSequence  x W^T, keeps the piece | all-gather the piece again (once per
+                                                            gathered input), then x W^T's gradients (sp)
        ReduceScatterToSequenceParallel  reduce-scatter   | all-gather sequence       (leaving tp, sp)
        ReplicatedOnSequencePiece     a copy              | all-reduce          (a bias or table, sp)
        AllToAll                      all-to-all          | all-to-all          (tokens to experts, ep)
@@ -21,9 +23,13 @@ Lessons: lessons/05_tensor_parallel.md (f, g, sequence parallelism), lessons/15_
 
 from __future__ import annotations
 
+import contextlib
+
 from minipar.core.autograd import Function
 from minipar.core.backend import xp_of
+from minipar.core.tensor_ops import linear_product
 from minipar.distributed import collectives
+from minipar.memory.ledger import buffer_meter
 
 # ---- the conjugate operators f and g ---------------------------------------------------------------
 
@@ -158,6 +164,82 @@ class ReplicatedOnSequencePiece(Function):
 
 def gather_from_sequence_parallel(x, comm):
     return GatherFromSequenceParallel.apply(x, comm)
+
+
+# ---- the gathered input kept as its piece, gathered again in backward (Megatron's sequence_parallel) --
+
+
+class GatheredPiece:
+    """This rank's (b, s/t, h) piece of an input all-gathered into a tensor-parallel region, shared by
+    the column-parallel layers that read the gathered input (query, key and value; fc; lm_head).
+
+    Each layer keeps the piece for backward (one buffer: the meter counts it once) instead of the
+    (b, s, h) it multiplied. Its weight gradient needs the whole input again: the first reader to
+    reach backward all-gathers the piece once more, the others use that copy, and the last one drops
+    it. Between the two it is a temporary buffer (the buffer meter's), as Megatron's re-gather into
+    its global memory buffer; the activation meter keeps counting only what is saved for backward."""
+
+    def __init__(self, piece, comm):
+        self.piece, self.comm = piece.data, comm
+        self.readers = 0  # the recorded layers whose weight gradient will read the whole input
+        self.whole = None  # the gathered-again input, from the first reader's backward to the last's
+
+    @contextlib.contextmanager
+    def gathered_again(self, piece):
+        """The whole (b, s, h) input for one reader's weight gradient; one all-gather for all readers."""
+        if self.whole is None:
+            self.whole = all_gather_sequence(piece, self.comm)
+            buffer_meter.add(self.whole.nbytes)
+        try:
+            yield self.whole
+        finally:
+            self.readers -= 1
+            if not self.readers:  # the last reader: the copy goes, and so does the piece
+                buffer_meter.release(self.whole.nbytes)
+                self.whole = self.piece = None
+
+
+class LinearOnGatheredSequence(Function):
+    """y = x W^T + b on x, the all-gathered input of `gathered` (a GatheredPiece), keeping only the piece.
+
+    x comes in as the gathered Tensor, so its gradient goes back through GatherFromSequenceParallel's
+    reduce-scatter, summed with the other readers' (one reduce-scatter per gathered input). What is
+    saved is this rank's piece: s/t of the positions, where core's Linear would keep all s. Backward
+    computes the input's gradient from the weight alone, and the weight's from the input gathered again
+    (`GatheredPiece.gathered_again`): the same values as the forward's gather, so the same gradient.
+    A split backward (ZB-H1) gathers in W, where the weight's gradient is computed."""
+
+    reads_in_backward = (1, 2)  # the weight (its data then: ZeRO-3 re-gathers it) and whether a bias
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gathered):
+        ctx.save_for_backward(gathered.piece)
+        if ctx.recording and ctx.needs_input_grad[1]:  # a reader in backward (not in a no_grad pass)
+            ctx.gathered = gathered
+            gathered.readers += 1
+        y = linear_product(x.reshape(-1, x.shape[-1]), weight.T, "forward")
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (piece,) = ctx.saved
+        weight, bias = ctx.inputs[1].data, ctx.inputs[2]
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = linear_product(g2, weight, "input_grad").reshape(*g.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            with ctx.gathered.gathered_again(piece) as x:
+                gw = linear_product(g2.T, x.reshape(-1, x.shape[-1]), "weight_grad")
+        if bias is not None and ctx.needs_input_grad[2]:
+            gb = g2.sum(axis=0)
+        return gx, gw, gb, None
+
+
+def linear_on_gathered_sequence(x, weight, bias, gathered: GatheredPiece):
+    return LinearOnGatheredSequence.apply(x, weight, bias, gathered)
 
 
 def reduce_scatter_to_sequence_parallel(x, comm):

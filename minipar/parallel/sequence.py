@@ -17,9 +17,17 @@ the position embedding: Megatron marks them `sequence_parallel`) get only their 
 each tp rank; a small all-reduce of their gradients over tp (in backward, micro-batch by micro-batch,
 so that ZeRO-2/3 reduce-scatter summed gradients) makes them whole.
 
-What it saves: the LayerNorm and residual activations, and the block inputs that full recomputation
-keeps, divided by tp (memory/activations.py has the bytes). What it costs: the bytes of tensor
-parallelism plus 2(t-1)/t times the replicated parameters' gradient bytes per micro-batch.
+The column-parallel layers after a gather (query, key and value; fc; lm_head) keep this rank's piece
+of their input, not the gathered whole, and all-gather it again in backward for their weight
+gradients, once per gathered input (Megatron's sequence_parallel linear; mappings.py's
+LinearOnGatheredSequence): so every activation of a block is divided by tp, Korthikanti et al.'s
+Table 2 with sequence parallelism.
+
+What it saves: the LayerNorm and residual activations, the column layers' inputs, and the block
+inputs that full recomputation keeps, divided by tp (memory/activations.py has the bytes). What it
+costs: the bytes of tensor parallelism, plus one all-gather of the (b, s, h) activation per gathered
+input in backward (2 per block and the head's: (t-1)/t of its bytes each), plus 2(t-1)/t times the
+replicated parameters' gradient bytes per micro-batch.
 Lesson: lessons/05_tensor_parallel.md.
 """
 
@@ -46,7 +54,9 @@ from minipar.core.nn import (
 )
 from minipar.core.options import option
 from minipar.parallel.mappings import (
+    GatheredPiece,
     gather_from_sequence_parallel,
+    linear_on_gathered_sequence,
     reduce_scatter_to_sequence_parallel,
     replicated_on_sequence_piece,
 )
@@ -95,6 +105,25 @@ class SequenceParallelLayerNorm(LayerNorm):
         return LayerNormOnSequencePiece.apply(x, self.weight, self.bias, self.eps, self.comm)
 
 
+class SequenceParallelColumnLinear(ColumnParallelLinear):
+    """ColumnParallelLinear on an input all-gathered along the sequence that keeps only this rank's
+    piece of it for backward, and gathers it again there for the weight gradient, once for all the
+    layers that share the input (mappings.py's LinearOnGatheredSequence, Megatron's sequence_parallel
+    linear). Called as `layer(gathered, piece)`: the gathered Tensor and its GatheredPiece."""
+
+    def __init__(self, in_features, out_features, comm, bias=True, std=0.02, dtype="float64"):
+        super().__init__(in_features, out_features, comm, bias, input_is_copied=True, std=std, dtype=dtype)
+
+    def forward(self, x, piece: GatheredPiece):  # type: ignore[override]  # the gathered input's piece too
+        return linear_on_gathered_sequence(x, self.weight, self.bias, piece)
+
+
+def gathered_with_piece(x, comm) -> tuple:
+    """The all-gathered (b, s, h) Tensor of this rank's (b, s/t, h) piece x, and the GatheredPiece its
+    readers keep instead of it."""
+    return gather_from_sequence_parallel(x, comm), GatheredPiece(x, comm)
+
+
 class SequenceParallelRowLinear(RowParallelLinear):
     """RowParallelLinear whose partial sums are reduce-scattered along the sequence (not all-reduced);
     the replicated bias is added on this rank's positions."""
@@ -109,12 +138,17 @@ class SequenceParallelAttention(ParallelAttention):
 
     def __init__(self, cfg, comm, recompute_core: bool = False):
         super().__init__(cfg, comm, recompute_core)
-        self.proj = SequenceParallelRowLinear(cfg.d_model, cfg.d_model, comm, std=cfg.residual_std,
-                                              dtype=cfg.dtype)
+        d = cfg.d_model
+        self.query = SequenceParallelColumnLinear(d, d, comm, dtype=cfg.dtype)
+        self.key = SequenceParallelColumnLinear(d, d, comm, bias=False, dtype=cfg.dtype)
+        self.value = SequenceParallelColumnLinear(d, d, comm, dtype=cfg.dtype)
+        self.proj = SequenceParallelRowLinear(d, d, comm, std=cfg.residual_std, dtype=cfg.dtype)
 
     def forward(self, x):
-        x = gather_from_sequence_parallel(x, self.comm)
-        y = attention_core(self.query(x), self.key(x), self.value(x), self.local_heads, self.recompute_core)
+        # query, key and value keep one piece between them, and backward gathers it again once
+        x, piece = gathered_with_piece(x, self.comm)
+        y = attention_core(self.query(x, piece), self.key(x, piece), self.value(x, piece), self.local_heads,
+                           self.recompute_core)
         return self.proj(y)
 
 
@@ -124,11 +158,11 @@ class SequenceParallelMLP(ParallelMLP):
     def __init__(self, cfg, comm):
         super().__init__(cfg, comm)
         d, self.comm = cfg.d_model, comm
-        self.fc = ColumnParallelLinear(d, 4 * d, comm, input_is_copied=True, dtype=cfg.dtype)
+        self.fc = SequenceParallelColumnLinear(d, 4 * d, comm, dtype=cfg.dtype)
         self.proj = SequenceParallelRowLinear(4 * d, d, comm, std=cfg.residual_std, dtype=cfg.dtype)
 
     def forward(self, x):
-        return self.proj(self.activation(self.fc(gather_from_sequence_parallel(x, self.comm))))
+        return self.proj(self.activation(self.fc(*gathered_with_piece(x, self.comm))))
 
 
 class SequenceParallelEmbedding(GPTEmbedding):
@@ -148,17 +182,17 @@ class SequenceParallelEmbedding(GPTEmbedding):
 
 
 class SequenceParallelHead(GPTHead):
-    """ln_f on this rank's positions, then the sequence all-gathered into the vocab-parallel lm_head."""
+    """ln_f on this rank's positions, then the sequence all-gathered into the vocab-parallel lm_head,
+    which keeps only the piece (gathered again in backward, as the blocks' column layers)."""
 
     def __init__(self, cfg: GPTConfig, comm):
-        lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, comm, bias=False, input_is_copied=True,
-                                       dtype=cfg.dtype)
+        lm_head = SequenceParallelColumnLinear(cfg.d_model, cfg.vocab_size, comm, bias=False, dtype=cfg.dtype)
         super().__init__(cfg, lm_head=lm_head)
         self.ln_f = SequenceParallelLayerNorm(cfg.d_model, comm, dtype=cfg.dtype)
         self.comm, self.vocab_start = comm, lm_head.start
 
     def forward(self, x):
-        return self.lm_head(gather_from_sequence_parallel(self.ln_f(x), self.comm))
+        return self.lm_head(*gathered_with_piece(self.ln_f(x), self.comm))
 
 
 class SequenceParallelGPT(TensorParallelGPT):

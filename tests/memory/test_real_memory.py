@@ -170,3 +170,40 @@ def test_between_backward_nodes_numpy_memory_is_what_the_ledger_counts(traced, r
     rerun = 2 * block_input if recompute == "full" else 0  # the bound of the docstring
     for name, grown, counted in figures:
         assert -0.02 * counted <= grown - counted <= rerun + 0.02 * counted, (name, grown, counted)
+
+
+@needs_world_size(2)
+@mpi_test
+def test_between_backward_nodes_with_sp_the_gathered_again_input_is_a_counted_buffer(comm):
+    """Sequence parallelism keeps each gathered input as this rank's piece and all-gathers it again in
+    backward, once for query, key and value together: that (b, s, h) copy lives from the first of them
+    to the last, and is the buffer meter's. After each backward node every rank's NumPy bytes are, as on
+    one process, the activations still saved + the parameters' .grad + the buffers + the gradients in
+    flight (+ the loss and its correct-mask); an uncounted copy is 2 b s h values over that, beyond the
+    tolerance."""
+    cfg = TrainConfig(precision="fp64", quiet=True, n_layer=2, **LAYOUTS["sp"]).replace(batch_size=2)
+    tracemalloc.start()
+    try:
+        grid = ProcessGrid(comm, cfg.dp, cfg.pp, cfg.tp, cfg.cp)
+        model = build.build_engine(cfg, grid).model
+        ids, targets = AdditionTask(cfg.seq_len, seed=comm.rank).global_batch(0, 2)
+        before = (numpy_bytes() - activation_meter.current - buffer_meter.current
+                  - parameter_gradient_bytes(model))
+        loss, correct = model.loss_and_correct(model(ids), targets, targets.size)
+        figures, buffers_seen = [], []
+
+        def compare(node, in_flight):
+            counted = (activation_meter.current + parameter_gradient_bytes(model) + buffer_meter.current
+                       + buffers_bytes(in_flight) + loss.data.nbytes + correct.nbytes)
+            figures.append((node.function.__name__, numpy_bytes() - before, counted))
+            buffers_seen.append(buffer_meter.current)
+
+        with autograd.backward_node_hooks.add(compare):
+            loss.backward()
+    finally:
+        tracemalloc.stop()
+    whole = 2 * cfg.seq_len * cfg.d_model * 8  # one gathered (b, s, h) input in fp64
+    assert max(buffers_seen) == whole  # QKV's copy between its first reader and its last, never two
+    assert len(figures) > 20
+    for name, grown, counted in figures:
+        assert abs(grown - counted) <= 0.02 * counted, (name, grown, counted)

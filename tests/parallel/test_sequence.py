@@ -1,7 +1,7 @@
 """Sequence parallelism: trains to the single-process numbers in every layout with tp > 1; its two
 collectives are each other's adjoint; the tp traffic is tensor parallelism's plus the replicated
-parameters' gradient all-reduces, by formula; the activation bytes are memory/activations.py's; bad
-input is one line.
+parameters' gradient all-reduces plus one re-gather per gathered input in backward, by formula; the
+activation bytes are memory/activations.py's; bad input is one line.
 
     python -m pytest tests/parallel/test_sequence.py -m "not mpi"
     mpiexec -n K python -m pytest -m mpi tests/parallel/test_sequence.py     # K = 2, 4, 8
@@ -22,7 +22,7 @@ from minipar.core.autograd import Tensor
 from minipar.core.shards import shard_sizes
 from minipar.distributed.grid import factorisations
 from minipar.distributed.ledger import ring_bytes_sent
-from minipar.memory.activations import gpt_activation_peak
+from minipar.memory.activations import block_activation_values, gpt_activation_peak, head_values
 from minipar.parallel.mappings import gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.loop import compare_with_reference
@@ -137,11 +137,20 @@ def test_tp_traffic_is_tensor_parallelisms_plus_the_replicated_gradients(n_layer
     # head's ln_f (weight, bias), the position embedding (seq_len, h): one all-reduce each per micro-batch
     replicated = microbatches * ((6 * n_layer + 2) * all_reduce_cost(h, t, WORLD.rank)
                                  + all_reduce_cost(s * h, t, WORLD.rank))
-    assert step["by_dim"]["tp"] == tensor_parallel + replicated
+    # Megatron's re-gathers: each gathered input (QKV's and fc's per block, lm_head's) is kept as this
+    # rank's piece and all-gathered again in backward, once for all its readers. A ring all-gather of t
+    # pieces of b·(s/t)·h fp64 values has each rank pass on the t - 1 pieces that are not its successor's
+    piece = micro * (s // t) * h * 8
+    regathers = microbatches * (2 * n_layer + 1) * (t - 1) * piece
+    assert step["by_dim"]["tp"] == tensor_parallel + replicated + regathers
     # the activations go by reduce-scatter and all-gather; all-reduces carry the loss's and the gradients'
     along_sequence = step["by_op"]["reduce_scatter"] + step["by_op"]["all_gather"]
-    assert along_sequence == tensor_parallel - microbatches * 3 * loss
+    assert along_sequence == tensor_parallel - microbatches * 3 * loss + regathers
     assert step["by_op"]["all_reduce"] == microbatches * 3 * loss + replicated
+    # per gathered input: its gather forward, its re-gather backward, and the all-gather that is the
+    # backward of the reduce-scatter before it (2L + 1 reduce-scatters forward: the embedding, 2 a block)
+    assert step["by_op"]["all_gather"] == 3 * regathers
+    assert step["by_op"]["reduce_scatter"] == 2 * regathers
 
 
 @needs_world_size(2, 4)
@@ -159,3 +168,20 @@ def test_activation_peak_is_the_formulas_and_below_tensor_parallelisms(recompute
         vocab = AdditionTask.vocab_size
         assert peaks[sp] == gpt_activation_peak(s, micro, h, t, n_layer, vocab, t, recompute, sp=sp)
     assert peaks[True] < peaks[False]
+
+
+@needs_world_size(2)
+@mpi_test
+def test_selective_peak_with_sp_is_the_core_recomputed_in_backward_over_the_pieces_kept():
+    """4 heads of width 2 over 32 tokens at tp 2: the recomputed (a/t, s, s) core outweighs the head, so
+    the peak is in backward, on top of what the block still keeps when its core is rerun: ln_1's piece
+    and the QKV input's piece (the gathered input is kept as its s/t positions, not whole), q, k, v."""
+    s, b, h, a, t = 32, 2, 8, 4, WORLD.size
+    records, _ = train(tiny(tp=t, dp=1, seq_len=s, batch_size=b, n_head=a, d_model=h, n_layer=1,
+                            recompute="selective", steps=1))
+    vocab = AdditionTask.vocab_size
+    end_of_forward = 8 * (block_activation_values(s, b, h, a, t, "selective", sp=True)
+                          + head_values(s, b, h, vocab, t, sp=True))
+    peak = records[-1]["mem"]["activations_peak"]
+    assert peak == gpt_activation_peak(s, b, h, a, 1, vocab, t, "selective", sp=True)
+    assert peak > end_of_forward
