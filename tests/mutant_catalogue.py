@@ -40,6 +40,9 @@ REAL_MEMORY_TESTS = "tests/memory/test_real_memory.py"
 FSDP_16_BIT_TESTS = (f"{WORKING_COPY_TESTS}::test_one_rank_fsdp_in_16_bits_is_bit_equal_to_the_plain_step",
                      f"{WORKING_COPY_TESTS}::test_fsdp_in_16_bits_trains_bit_for_bit_like_zero3_gathering"
                      "_2_bytes_a_value")
+HSDP_16_BIT_TESTS = (FSDP_16_BIT_TESTS[0],  # a serial test: the run on 1 rank must select one
+                     f"{WORKING_COPY_TESTS}::test_hybrid_in_16_bits_gathers_2_bytes_inside_a_shard_group_and_"
+                     "all_reduces_fp32_shards",)
 
 MUTANTS = [
     # ---- issue 39: the meters against real memory on two ranks ----
@@ -91,6 +94,17 @@ MUTANTS = [
            "        super().load_logical(state)\n        for unit in self.units:\n"
            "            self.round_shard(unit)",
            "        super().load_logical(state)", tests=("tests/checkpoint/test_checkpoint.py",), ranks=(2,)),
+    # ---- issue 47: hybrid sharding in bf16 and fp16 ----
+    Mutant("hsdp-16-bit-replicas-sum-in-the-16-bit-format", "minipar/parallel/fsdp.py",
+           "unit.grad_shard[...] = self.replicate.all_reduce(unit.grad_shard)",
+           "unit.grad_shard[...] = self.replicate.all_reduce(unit.grad_shard)\n"
+           "                if self.working is not None:\n"
+           "                    unit.grad_shard[...] = self.working.decode(self.working.encode(unit.grad_shard))",
+           tests=HSDP_16_BIT_TESTS, ranks=(2,)),
+    Mutant("hsdp-16-bit-gathers-fp32", "minipar/parallel/fsdp.py",
+           "working=working)\n    return FullyShardedDataParallel(model, optimizer, grid.dp_cp",
+           "working=None)\n    return FullyShardedDataParallel(model, optimizer, grid.dp_cp",
+           tests=HSDP_16_BIT_TESTS, ranks=(2,)),
     # ---- issue 48: the trace of --trace DIR and `minipar trace summary` ----
     Mutant("trace-async-end-on-the-wrong-waits", "minipar/trainer/trace.py",
            "        if pending is not None:\n            self.events.append({\"ph\": \"e\"",
