@@ -99,7 +99,8 @@ MUTANTS = [
            "unit.grad_shard[...] = self.replicate.all_reduce(unit.grad_shard)",
            "unit.grad_shard[...] = self.replicate.all_reduce(unit.grad_shard)\n"
            "                if self.working is not None:\n"
-           "                    unit.grad_shard[...] = self.working.decode(self.working.encode(unit.grad_shard))",
+           "                    unit.grad_shard[...] = "
+           "self.working.decode(self.working.encode(unit.grad_shard))",
            tests=HSDP_16_BIT_TESTS, ranks=(2,)),
     Mutant("hsdp-16-bit-gathers-fp32", "minipar/parallel/fsdp.py",
            "working=working)\n    return FullyShardedDataParallel(model, optimizer, grid.dp_cp",
