@@ -106,6 +106,13 @@ MUTANTS = [
            "working=working)\n    return FullyShardedDataParallel(model, optimizer, grid.dp_cp",
            "working=None)\n    return FullyShardedDataParallel(model, optimizer, grid.dp_cp",
            tests=HSDP_16_BIT_TESTS, ranks=(2,)),
+    # ---- issue 47: --clip-grad-norm with --fsdp and hybrid sharding ----
+    Mutant("fsdp-clipping-counts-every-replica", "minipar/parallel/fsdp.py",
+           "pieces, counted = [], self.replicate is None or self.replicate.rank == 0",
+           "pieces, counted = [], True", tests=("tests/parallel/test_clipping.py",), ranks=(4,)),
+    Mutant("fsdp-gradient-piece-offset-in-rows", "minipar/parallel/fsdp.py",
+           "offset=unit.own_rows(i)[0] * unit.row_numel[i]", "offset=unit.own_rows(i)[0]",
+           tests=("tests/parallel/test_clipping.py",), ranks=(2,)),
     # ---- issue 48: the trace of --trace DIR and `minipar trace summary` ----
     Mutant("trace-async-end-on-the-wrong-waits", "minipar/trainer/trace.py",
            "        if pending is not None:\n            self.events.append({\"ph\": \"e\"",
