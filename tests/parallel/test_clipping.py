@@ -128,7 +128,9 @@ def check_clipped(cfg: TrainConfig, pieces_per_rank: list, records: list, full: 
                      at_world_size((2, 4, 8), layout_index=4, seed=5),  # chunked ZeRO-3
                      at_world_size((2,), layout_index=layout_index(fsdp=True), seed=6),
                      at_world_size((4,), layout_index=layout_index(fsdp=True, dp_replicate=2), seed=7),
-                     at_world_size((4,), layout_index=layout_index(fsdp=True, tp=2), seed=8)])
+                     at_world_size((4,), layout_index=layout_index(fsdp=True, tp=2), seed=8),
+                     at_world_size((8,), layout_index=layout_index(fsdp=True, pp=2, tp=2, microbatches=2),
+                                   seed=9)])
 def test_clipped_gradients_and_the_logged_norm_are_numpys_from_one_process(layout_index, seed):
     options = layouts(WORLD.size)
     layout = options[layout_index % len(options)]
