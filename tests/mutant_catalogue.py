@@ -43,6 +43,8 @@ FSDP_16_BIT_TESTS = (f"{WORKING_COPY_TESTS}::test_one_rank_fsdp_in_16_bits_is_bi
 HSDP_16_BIT_TESTS = (FSDP_16_BIT_TESTS[0],  # a serial test: the run on 1 rank must select one
                      f"{WORKING_COPY_TESTS}::test_hybrid_in_16_bits_gathers_2_bytes_inside_a_shard_group_and_"
                      "all_reduces_fp32_shards",)
+HSDP_NODE_TESTS = tuple(f"tests/multinode/test_nodes.py::test_hybrid_sharding_{name}" for name in (
+    "sends_only_the_replicas_all_reduce_between_nodes", "kernel_counters_agree_with_the_ledger"))
 
 MUTANTS = [
     # ---- issue 39: the meters against real memory on two ranks ----
@@ -113,6 +115,11 @@ MUTANTS = [
     Mutant("fsdp-gradient-piece-offset-in-rows", "minipar/parallel/fsdp.py",
            "offset=unit.own_rows(i)[0] * unit.row_numel[i]", "offset=unit.own_rows(i)[0]",
            tests=("tests/parallel/test_clipping.py",), ranks=(2,)),
+    # ---- issue 47: hybrid sharding on two simulated nodes, the kernel's byte counters ----
+    Mutant("hsdp-replicas-charged-to-the-shard-groups-node", "minipar/parallel/placements.py",
+           "nodes=None if nodes is None else nodes[shard::shards])",
+           "nodes=None if nodes is None else nodes[replica * shards:(replica + 1) * shards])",
+           tests=HSDP_NODE_TESTS),
     # ---- issue 48: the trace of --trace DIR and `minipar trace summary` ----
     Mutant("trace-async-end-on-the-wrong-waits", "minipar/trainer/trace.py",
            "        if pending is not None:\n            self.events.append({\"ph\": \"e\"",
