@@ -128,7 +128,8 @@ def hybrid_beside_fsdp(cluster: SimulatedCluster, folder: Path) -> bool:
         for link in found["links"]:
             step, (sent, packets) = len(link["per_step"]) - 1, link["per_step"][-1]
             ranks = [r["comm"][step] for r in found["ranks"] if r["node"] == link["node"]]
-            by_dim = {dim: sum(r["by_dim_link"][dim]["inter"] for r in ranks) for dim in ranks[0]["by_dim_link"]}
+            by_dim = {dim: sum(r["by_dim_link"][dim]["inter"] for r in ranks)
+                      for dim in ranks[0]["by_dim_link"]}
             payload = sum(by_dim.values())
             shown = ", ".join(f"{dim} {n:,}" for dim, n in by_dim.items() if dim.startswith("dp"))
             print(f"{name:<26}{link['node']:>6}{shown:>36}{sent:>11,}{packets:>9}{sent / payload:>15.4f}"
