@@ -120,6 +120,9 @@ MUTANTS = [
            "nodes=None if nodes is None else nodes[shard::shards])",
            "nodes=None if nodes is None else nodes[replica * shards:(replica + 1) * shards])",
            tests=HSDP_NODE_TESTS),
+    # ---- issue 47: --fsdp with chunks or --ep, refused in one line ----
+    Mutant("fsdp-with-ep-not-refused", "minipar/trainer/validate.py", "(cfg.fsdp and cfg.ep > 1,",
+           "(cfg.fsdp and cfg.ep > 2,", tests=("tests/trainer/test_config.py",)),
     # ---- issue 48: the trace of --trace DIR and `minipar trace summary` ----
     Mutant("trace-async-end-on-the-wrong-waits", "minipar/trainer/trace.py",
            "        if pending is not None:\n            self.events.append({\"ph\": \"e\"",
