@@ -123,6 +123,17 @@ MUTANTS = [
     # ---- issue 47: --fsdp with chunks or --ep, refused in one line ----
     Mutant("fsdp-with-ep-not-refused", "minipar/trainer/validate.py", "(cfg.fsdp and cfg.ep > 1,",
            "(cfg.fsdp and cfg.ep > 2,", tests=("tests/trainer/test_config.py",)),
+    # ---- issue 47: attention and sequence parallelism in placements ----
+    Mutant("placements-enter-gradient-stays-replicate", "minipar/parallel/placements.py",
+           "redistribute((Replicate(),), grad_placements=(Partial(),)).local\n\n\ndef leave_tensor_parallel",
+           "redistribute((Replicate(),)).local\n\n\ndef leave_tensor_parallel",
+           tests=PLACEMENT_TESTS, ranks=(2,)),
+    Mutant("placements-sp-leaves-on-the-batch-dim", "minipar/parallel/placements.py",
+           "    to = Shard(1) if sequence else Replicate()", "    to = Shard(0) if sequence else Replicate()",
+           tests=PLACEMENT_TESTS, ranks=(2,)),
+    Mutant("placements-sp-bias-gradient-not-summed", "minipar/parallel/placements.py",
+           "    if sequence:\n        bias = ShardedArray", "    if False:\n        bias = ShardedArray",
+           tests=PLACEMENT_TESTS, ranks=(2,)),
     # ---- issue 48: the trace of --trace DIR and `minipar trace summary` ----
     Mutant("trace-async-end-on-the-wrong-waits", "minipar/trainer/trace.py",
            "        if pending is not None:\n            self.events.append({\"ph\": \"e\"",

@@ -28,7 +28,9 @@ Uneven shards are padded for the collectives to ceil(n/N) rows, as FSDP2 pads di
 goes over the wire and is charged on the ledger (the all-gather of a Shard(0) tensor of n rows costs
 (N-1)·ceil(n/N) rows per rank), and the local pieces themselves hold no padding. A tensor dim is
 sharded by at most one mesh dimension here (DTensor's strided shard, tp and FSDP on the same dim, is
-not built in redistribute). `tensor_parallel_mlp` writes Megatron's MLP (tensor.py) in placements.
+not built in redistribute). `tensor_parallel_mlp` and `tensor_parallel_attention` write Megatron's
+layers (tensor.py) and, with `sequence`, sequence parallelism's (sequence.py: activations Shard(1),
+the sequence, between the regions) in placements.
 What it saves or costs: nothing of its own; each collective is charged to its mesh dimension's
 communicator. Lesson: lessons/04b_placements.md.
 """
@@ -42,6 +44,7 @@ import numpy as np
 from minipar.core import functional as F
 from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import xp_of
+from minipar.core.nn import attention_core
 from minipar.core.shards import padded_bounds, padded_numel
 from minipar.distributed import collectives
 from minipar.distributed.communicator import Comm
@@ -269,17 +272,51 @@ def distribute(full, mesh: DeviceMesh, placements, requires_grad: bool = False) 
     return ShardedArray(Tensor(local, requires_grad), tuple(full.shape), placements, mesh)
 
 
-def tensor_parallel_mlp(x: Tensor, fc, proj, mesh: DeviceMesh) -> Tensor:
-    """Megatron's MLP (tensor.py's ParallelMLP) in placements, on a mesh with a "tp" dimension: the fc
-    weight is Shard(0) (column-parallel), the proj weight Shard(1) (row-parallel), and the input
-    Replicate. Megatron's f is a Replicate -> Replicate redistribute whose gradient arrives Partial
-    (each rank's hidden columns give a summand of it): all-reduce backward. Its g is Partial ->
-    Replicate: all-reduce forward, and a Replicate gradient that goes back for free."""
-    shape = tuple(x.shape)
-    whole = ShardedArray(x, shape, (Replicate(),), mesh)
-    copied = whole.redistribute((Replicate(),), grad_placements=(Partial(),))  # f
-    hidden = F.gelu(F.linear(copied.local, fc.weight, fc.bias))  # Shard(-1): this rank's columns
-    out_shape = shape[:-1] + (proj.weight.shape[0],)
-    partial = ShardedArray(F.linear(hidden, proj.weight), out_shape, (Partial(),), mesh)
-    summed = partial.redistribute((Replicate(),))  # g
-    return summed.local + proj.bias
+def enter_tensor_parallel(x: Tensor, mesh: DeviceMesh, sequence: bool = False) -> Tensor:
+    """The input of a tensor-parallel region made Replicate on "tp". Its gradient arrives Partial
+    (each rank's columns give a summand of it) and goes back to the input's placement: Megatron's f
+    (Replicate -> Replicate: nothing forward, an all-reduce backward), or, with sequence parallelism,
+    the (b, s/t, h) piece Shard(1) all-gathered (a reduce-scatter along the sequence backward)."""
+    now = Shard(1) if sequence else Replicate()
+    shape = (x.shape[0], x.shape[1] * mesh.size("tp"), *x.shape[2:]) if sequence else tuple(x.shape)
+    whole = ShardedArray(x, shape, (now,), mesh)
+    return whole.redistribute((Replicate(),), grad_placements=(Partial(),)).local
+
+
+def leave_tensor_parallel(partial: Tensor, mesh: DeviceMesh, sequence: bool = False) -> Tensor:
+    """A row-parallel product's partial sums (Partial on "tp") made whole: Megatron's g (-> Replicate:
+    an all-reduce, and a Replicate gradient that goes back for free), or, with sequence parallelism,
+    this rank's positions (-> Shard(1): a reduce-scatter, and an all-gather of the gradient)."""
+    to = Shard(1) if sequence else Replicate()
+    return ShardedArray(partial, tuple(partial.shape), (Partial(),), mesh).redistribute((to,)).local
+
+
+def _row_bias(y: Tensor, bias, mesh: DeviceMesh, sequence: bool) -> Tensor:
+    """The row-parallel bias, Replicate, added to the whole output, or to this rank's positions: then
+    each rank's gradient of it is a summand (Partial), all-reduced in backward."""
+    if sequence:
+        bias = ShardedArray(bias, tuple(bias.shape), (Replicate(),), mesh).redistribute(
+            (Replicate(),), grad_placements=(Partial(),)).local
+    return y + bias
+
+
+def tensor_parallel_mlp(x: Tensor, fc, proj, mesh: DeviceMesh, sequence: bool = False) -> Tensor:
+    """Megatron's MLP (tensor.py's ParallelMLP; with `sequence`, sequence.py's SequenceParallelMLP)
+    in placements, on a mesh with a "tp" dimension: the fc weight is Shard(0) (column-parallel), the
+    proj weight Shard(1) (row-parallel); the input Replicate (with `sequence`, a Shard(1) piece of
+    the sequence), and so is the output."""
+    copied = enter_tensor_parallel(x, mesh, sequence)  # f, or the sequence's all-gather
+    hidden = F.gelu(F.linear(copied, fc.weight, fc.bias))  # Shard(-1): this rank's columns
+    partial = F.linear(hidden, proj.weight)  # Partial: a summand of the output
+    return _row_bias(leave_tensor_parallel(partial, mesh, sequence), proj.bias, mesh, sequence)  # g
+
+
+def tensor_parallel_attention(x: Tensor, attn, mesh: DeviceMesh, sequence: bool = False) -> Tensor:
+    """Megatron's attention (tensor.py's ParallelAttention; with `sequence`, sequence.py's
+    SequenceParallelAttention) in placements: query, key and value weights Shard(0) (this rank's
+    heads), proj Shard(1); one enter for the three (their input gradients summed locally first)."""
+    copied = enter_tensor_parallel(x, mesh, sequence)
+    q, k, v = (F.linear(copied, layer.weight, layer.bias) for layer in (attn.query, attn.key, attn.value))
+    y = attention_core(q, k, v, attn.local_heads, attn.recompute_core, attn.attention)  # Shard(-1)
+    partial = F.linear(y, attn.proj.weight)
+    return _row_bias(leave_tensor_parallel(partial, mesh, sequence), attn.proj.bias, mesh, sequence)
