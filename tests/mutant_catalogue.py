@@ -105,8 +105,8 @@ MUTANTS = [
            "self.working.decode(self.working.encode(unit.grad_shard))",
            tests=HSDP_16_BIT_TESTS, ranks=(2,)),
     Mutant("hsdp-16-bit-gathers-fp32", "minipar/parallel/fsdp.py",
-           "working=working)\n    return FullyShardedDataParallel(model, optimizer, grid.dp_cp",
-           "working=None)\n    return FullyShardedDataParallel(model, optimizer, grid.dp_cp",
+           "working=working, tp=grid.tp)\n    return FullyShardedDataParallel(model, optimizer, grid.dp_cp",
+           "working=None, tp=grid.tp)\n    return FullyShardedDataParallel(model, optimizer, grid.dp_cp",
            tests=HSDP_16_BIT_TESTS, ranks=(2,)),
     # ---- issue 47: --clip-grad-norm with --fsdp and hybrid sharding ----
     Mutant("fsdp-clipping-counts-every-replica", "minipar/parallel/fsdp.py",
@@ -134,6 +134,16 @@ MUTANTS = [
     Mutant("placements-sp-bias-gradient-not-summed", "minipar/parallel/placements.py",
            "    if sequence:\n        bias = ShardedArray", "    if False:\n        bias = ShardedArray",
            tests=PLACEMENT_TESTS, ranks=(2,)),
+    # ---- issue 47: the strided shard (FSDP over tp, tp-major) in redistribute ----
+    Mutant("strided-shard-gathers-the-whole-dim", "minipar/parallel/placements.py",
+           "            shape[step.dim] = stop - start", "            shape[step.dim] = global_shape[step.dim]",
+           tests=PLACEMENT_TESTS, ranks=(4,)),
+    Mutant("strided-shard-steps-in-mesh-order", "minipar/parallel/placements.py",
+           "    return first + [i for i in changed if i not in first and i not in last] + last",
+           "    return changed", tests=PLACEMENT_TESTS, ranks=(4,)),
+    Mutant("fsdp-placements-dp-major-over-tp", "minipar/parallel/fsdp.py",
+           "                    dp = StridedShard(0) if p.shard.axis == 0 else Shard(0)",
+           "                    dp = Shard(0)", tests=FSDP_TESTS, ranks=(4,)),
     # ---- issue 48: the trace of --trace DIR and `minipar trace summary` ----
     Mutant("trace-async-end-on-the-wrong-waits", "minipar/trainer/trace.py",
            "        if pending is not None:\n            self.events.append({\"ph\": \"e\"",

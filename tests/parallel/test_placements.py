@@ -280,3 +280,52 @@ def test_attention_and_sequence_parallelism_in_placements_are_megatrons_step_for
                 "all_reduce": ring_bytes_sent("all_reduce", [3 * 8, 3 * 8], comm.rank)} if sp else \
         {"all_reduce": 2 * piece}
     assert sent0 == sent1 == {"tp": expected}
+
+
+@needs_world_size(4)
+@mpi_given(max_examples=4, rows=st.integers(1, 9), cols=st.integers(1, 3), seed=st.integers(0, 2**16),
+           examples=[at_world_size((4,), rows=7, cols=3, seed=1),  # tp chunks of 4 and 3 rows
+                     at_world_size((4,), rows=1, cols=2, seed=2)])  # empty chunks at both levels
+def test_strided_shard_cuts_each_tp_chunk_over_dp_tp_major(comm, rows, cols, seed):
+    """(StridedShard(0), Shard(0)) on ("a", "b") = (dp, tp): rows cut over tp first, then each tp chunk's
+    rows over dp (FSDP over a column-parallel weight). By hand: rank (a, b) holds rows chunk(m, 2, a)
+    of tp chunk b (m rows). FSDP's gather over dp gives the tp chunk, (2-1)·ceil(m/2) rows sent, and
+    its Partial gradient (each dp rank's own data) comes back summed by a reduce-scatter of as many;
+    the whole tensor gathers tp after dp; cutting a Replicate tensor sends nothing; Shard(0) on both
+    mesh dimensions is refused."""
+    from minipar.parallel.placements import StridedShard, distribute
+
+    mesh, all_coords = mesh_of(comm)
+    a, b = all_coords[comm.rank]
+    full = numpy.random.default_rng(seed).standard_normal((rows, cols))
+    tp_start, tp_stop = chunk(rows, 2, b)
+    m = tp_stop - tp_start
+    start, stop = chunk(m, 2, a)
+    strided = (StridedShard(0), Shard(0))
+    comm.ledger.start_step()
+    x = distribute(full, mesh, strided, requires_grad=True)
+    cut_sent = sent_by_dim(comm)
+    gathered = x.redistribute((Replicate(), Shard(0)), grad_placements=(Partial(), Shard(0)))
+    forward = sent_by_dim(comm)
+    upstream = numpy.random.default_rng([seed, a]).standard_normal((m, cols))  # dp rank a's own gradient
+    comm.ledger.start_step()
+    gathered.local.backward(upstream)
+    backward = sent_by_dim(comm)
+    comm.ledger.start_step()
+    whole = x.full()
+    whole_sent = sent_by_dim(comm)
+    refused = ""
+    try:
+        distribute(full, mesh, (Shard(0), Shard(0)))
+    except ValueError as error:
+        refused = str(error)
+    other_dp_rank = numpy.random.default_rng([seed, 1 - a]).standard_normal((m, cols))
+    assert numpy.array_equal(x.local.data, full[tp_start:tp_stop][start:stop]) and cut_sent == {}
+    assert numpy.array_equal(gathered.local.data, full[tp_start:tp_stop])
+    assert forward == ({"a": -(-m // 2) * cols * 8} if m else {})
+    assert numpy.allclose(x.local.grad, (upstream + other_dp_rank)[start:stop], rtol=1e-15, atol=0)
+    assert backward == forward
+    assert numpy.array_equal(whole, full)
+    assert whole_sent == {k: v for k, v in {"a": -(-m // 2) * cols * 8, "b": -(-rows // 2) * cols * 8}.items()
+                          if v}
+    assert "Shard(0) on two mesh dimensions is not supported" in refused
