@@ -136,7 +136,8 @@ MUTANTS = [
            tests=PLACEMENT_TESTS, ranks=(2,)),
     # ---- issue 47: the strided shard (FSDP over tp, tp-major) in redistribute ----
     Mutant("strided-shard-gathers-the-whole-dim", "minipar/parallel/placements.py",
-           "            shape[step.dim] = stop - start", "            shape[step.dim] = global_shape[step.dim]",
+           "            shape[step.dim] = stop - start",
+           "            shape[step.dim] = global_shape[step.dim]",
            tests=PLACEMENT_TESTS, ranks=(4,)),
     Mutant("strided-shard-steps-in-mesh-order", "minipar/parallel/placements.py",
            "    return first + [i for i in changed if i not in first and i not in last] + last",
