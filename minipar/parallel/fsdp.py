@@ -43,6 +43,7 @@ from minipar.parallel.flat_units import FlatUnit
 from minipar.parallel.logical_state import Piece, to_host
 from minipar.parallel.placements import (
     DeviceMesh,
+    Placement,
     Replicate,
     Shard,
     ShardedArray,
@@ -170,7 +171,8 @@ class FullyShardedDataParallel(ZeroStage3):
         for unit in self.sharded_units():
             for i, (name, p) in enumerate(zip(unit.names, unit.params)):
                 local = Tensor(unit.own_chunk(unit.param_shard, i).reshape(-1, *unit.shapes[i][1:]))
-                shape, dp, tp = tuple(unit.shapes[i]), Shard(0), ()
+                shape, dp = tuple(unit.shapes[i]), Shard(0)
+                tp: tuple[Placement, ...] = ()
                 if self.tp is not None and p.shard is not None:
                     rows = list(p.shard.full_shape)
                     rows[p.shard.axis] = self.tp.size * (p.shard.stop - p.shard.start)
