@@ -41,6 +41,11 @@ REAL_MEMORY_TESTS = "tests/memory/test_real_memory.py"
 FSDP_16_BIT_TESTS = (f"{WORKING_COPY_TESTS}::test_one_rank_fsdp_in_16_bits_is_bit_equal_to_the_plain_step",
                      f"{WORKING_COPY_TESTS}::test_fsdp_in_16_bits_trains_bit_for_bit_like_zero3_gathering"
                      "_2_bytes_a_value")
+HSDP_16_BIT_TESTS = (FSDP_16_BIT_TESTS[0],  # a serial test: the run on 1 rank must select one
+                     f"{WORKING_COPY_TESTS}::test_hybrid_in_16_bits_gathers_2_bytes_inside_a_shard_group_and_"
+                     "all_reduces_fp32_shards",)
+HSDP_NODE_TESTS = tuple(f"tests/multinode/test_nodes.py::test_hybrid_sharding_{name}" for name in (
+    "sends_only_the_replicas_all_reduce_between_nodes", "kernel_counters_agree_with_the_ledger"))
 
 MUTANTS = [
     # ---- issue 39: the meters against real memory on two ranks ----
@@ -116,6 +121,55 @@ MUTANTS = [
            "        super().load_logical(state)\n        for unit in self.units:\n"
            "            self.round_shard(unit)",
            "        super().load_logical(state)", tests=("tests/checkpoint/test_checkpoint.py",), ranks=(2,)),
+    # ---- issue 47: hybrid sharding in bf16 and fp16 ----
+    Mutant("hsdp-16-bit-replicas-sum-in-the-16-bit-format", "minipar/parallel/fsdp.py",
+           "unit.grad_shard[...] = self.replicate.all_reduce(unit.grad_shard)",
+           "unit.grad_shard[...] = self.replicate.all_reduce(unit.grad_shard)\n"
+           "                if self.working is not None:\n"
+           "                    unit.grad_shard[...] = "
+           "self.working.decode(self.working.encode(unit.grad_shard))",
+           tests=HSDP_16_BIT_TESTS, ranks=(2,)),
+    Mutant("hsdp-16-bit-gathers-fp32", "minipar/parallel/fsdp.py",
+           "working=working, tp=grid.tp)\n    return FullyShardedDataParallel(model, optimizer, grid.dp_cp",
+           "working=None, tp=grid.tp)\n    return FullyShardedDataParallel(model, optimizer, grid.dp_cp",
+           tests=HSDP_16_BIT_TESTS, ranks=(2,)),
+    # ---- issue 47: --clip-grad-norm with --fsdp and hybrid sharding ----
+    Mutant("fsdp-clipping-counts-every-replica", "minipar/parallel/fsdp.py",
+           "pieces, counted = [], self.replicate is None or self.replicate.rank == 0",
+           "pieces, counted = [], True", tests=("tests/parallel/test_clipping.py",), ranks=(4,)),
+    Mutant("fsdp-gradient-piece-offset-in-rows", "minipar/parallel/fsdp.py",
+           "offset=unit.own_rows(i)[0] * unit.row_numel[i]", "offset=unit.own_rows(i)[0]",
+           tests=("tests/parallel/test_clipping.py",), ranks=(2,)),
+    # ---- issue 47: hybrid sharding on two simulated nodes, the kernel's byte counters ----
+    Mutant("hsdp-replicas-charged-to-the-shard-groups-node", "minipar/parallel/placements.py",
+           "nodes=None if nodes is None else nodes[shard::shards])",
+           "nodes=None if nodes is None else nodes[replica * shards:(replica + 1) * shards])",
+           tests=HSDP_NODE_TESTS),
+    # ---- issue 47: --fsdp with chunks or --ep, refused in one line ----
+    Mutant("fsdp-with-ep-not-refused", "minipar/trainer/validate.py", "(cfg.fsdp and cfg.ep > 1,",
+           "(cfg.fsdp and cfg.ep > 2,", tests=("tests/trainer/test_config.py",)),
+    # ---- issue 47: attention and sequence parallelism in placements ----
+    Mutant("placements-enter-gradient-stays-replicate", "minipar/parallel/placements.py",
+           "redistribute((Replicate(),), grad_placements=(Partial(),)).local\n\n\ndef leave_tensor_parallel",
+           "redistribute((Replicate(),)).local\n\n\ndef leave_tensor_parallel",
+           tests=PLACEMENT_TESTS, ranks=(2,)),
+    Mutant("placements-sp-leaves-on-the-batch-dim", "minipar/parallel/placements.py",
+           "    to = Shard(1) if sequence else Replicate()", "    to = Shard(0) if sequence else Replicate()",
+           tests=PLACEMENT_TESTS, ranks=(2,)),
+    Mutant("placements-sp-bias-gradient-not-summed", "minipar/parallel/placements.py",
+           "    if sequence:\n        bias = ShardedArray", "    if False:\n        bias = ShardedArray",
+           tests=PLACEMENT_TESTS, ranks=(2,)),
+    # ---- issue 47: the strided shard (FSDP over tp, tp-major) in redistribute ----
+    Mutant("strided-shard-gathers-the-whole-dim", "minipar/parallel/placements.py",
+           "            shape[step.dim] = stop - start",
+           "            shape[step.dim] = global_shape[step.dim]",
+           tests=PLACEMENT_TESTS, ranks=(4,)),
+    Mutant("strided-shard-steps-in-mesh-order", "minipar/parallel/placements.py",
+           "    return first + [i for i in changed if i not in first and i not in last] + last",
+           "    return changed", tests=PLACEMENT_TESTS, ranks=(4,)),
+    Mutant("fsdp-placements-dp-major-over-tp", "minipar/parallel/fsdp.py",
+           "                    dp = StridedShard(0) if p.shard.axis == 0 else Shard(0)",
+           "                    dp = Shard(0)", tests=FSDP_TESTS, ranks=(4,)),
     # ---- issue 48: the trace of --trace DIR and `minipar trace summary` ----
     Mutant("trace-async-end-on-the-wrong-waits", "minipar/trainer/trace.py",
            "        if pending is not None:\n            self.events.append({\"ph\": \"e\"",

@@ -43,9 +43,11 @@ from minipar.parallel.flat_units import FlatUnit
 from minipar.parallel.logical_state import Piece, to_host
 from minipar.parallel.placements import (
     DeviceMesh,
+    Placement,
     Replicate,
     Shard,
     ShardedArray,
+    StridedShard,
     chunk_bounds,
     factor_data_parallel,
 )
@@ -133,11 +135,12 @@ class FullyShardedDataParallel(ZeroStage3):
     unit_type = PerParameterUnit
 
     def __init__(self, model, optimizer, comm, replicate=None, prefetch: bool = False,
-                 working: Wire | None = None):
+                 working: Wire | None = None, tp=None):
         self.replicate = replicate
         super().__init__(model, optimizer, comm, prefetch=prefetch, working=working)
         names = {"dp_replicate": replicate, "dp_shard": comm} if replicate is not None else {"dp": comm}
-        self.mesh = DeviceMesh(names)
+        self.tp = tp if tp is not None and tp.size > 1 else None  # where parameters are tp shards
+        self.mesh = DeviceMesh({**names, **({"tp": tp} if self.tp is not None else {})})
 
     def sharded_units(self) -> list[PerParameterUnit]:
         return cast("list[PerParameterUnit]", self.units)  # made by unit_type
@@ -160,13 +163,26 @@ class FullyShardedDataParallel(ZeroStage3):
         return pieces
 
     def sharded_parameters(self) -> dict:
-        """{name: ShardedArray}: each parameter's local rows, placed Shard(0) on the shard dimension
-        (Replicate on dp_replicate)."""
-        placements = (Shard(0),) if self.replicate is None else (Replicate(), Shard(0))
-        return {name: ShardedArray(
-                    Tensor(unit.own_chunk(unit.param_shard, i).reshape(-1, *unit.shapes[i][1:])),
-                    tuple(unit.shapes[i]), placements, self.mesh)
-                for unit in self.sharded_units() for i, name in enumerate(unit.names)}
+        """{name: ShardedArray}: each parameter's local rows, placed on the mesh (dp_replicate: Replicate,
+        then dp or dp_shard, then tp). Shard(0) on dp cuts the parameter's rows, or, where tp shards dim
+        0 too (column-parallel), the tp shard's rows: StridedShard(0), tp-major. A tp shard is Shard on
+        its axis of the parameter padded as Megatron pads its vocabulary (padded_bounds)."""
+        sharded = {}
+        for unit in self.sharded_units():
+            for i, (name, p) in enumerate(zip(unit.names, unit.params)):
+                local = Tensor(unit.own_chunk(unit.param_shard, i).reshape(-1, *unit.shapes[i][1:]))
+                shape, dp = tuple(unit.shapes[i]), Shard(0)
+                tp: tuple[Placement, ...] = ()
+                if self.tp is not None and p.shard is not None:
+                    rows = list(p.shard.full_shape)
+                    rows[p.shard.axis] = self.tp.size * (p.shard.stop - p.shard.start)
+                    shape, tp = tuple(rows), (Shard(p.shard.axis),)
+                    dp = StridedShard(0) if p.shard.axis == 0 else Shard(0)
+                elif self.tp is not None:
+                    tp = (Replicate(),)
+                placements = ((Replicate(),) if self.replicate is not None else ()) + (dp,) + tp
+                sharded[name] = ShardedArray(local, shape, placements, self.mesh)
+        return sharded
 
     def checkpoint_pieces(self) -> dict:
         """{name: {kind: (Piece, array)}}: each parameter's own rows, as a flat range of its tp shard."""
@@ -203,5 +219,6 @@ def build(options: FSDPOptions, grid, model, optimizer, prefetch: bool,
     if options.dp_replicate > 1:
         replicate, shard = factor_data_parallel(grid.dp_cp, options.dp_replicate)
         return FullyShardedDataParallel(model, optimizer, shard, replicate=replicate, prefetch=prefetch,
-                                        working=working)
-    return FullyShardedDataParallel(model, optimizer, grid.dp_cp, prefetch=prefetch, working=working)
+                                        working=working, tp=grid.tp)
+    return FullyShardedDataParallel(model, optimizer, grid.dp_cp, prefetch=prefetch, working=working,
+                                    tp=grid.tp)

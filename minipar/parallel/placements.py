@@ -27,8 +27,12 @@ any N in floating point.
 Uneven shards are padded for the collectives to ceil(n/N) rows, as FSDP2 pads dim 0: the padding
 goes over the wire and is charged on the ledger (the all-gather of a Shard(0) tensor of n rows costs
 (N-1)·ceil(n/N) rows per rank), and the local pieces themselves hold no padding. A tensor dim is
-sharded by at most one mesh dimension here (DTensor's strided shard, tp and FSDP on the same dim, is
-not built in redistribute). `tensor_parallel_mlp` writes Megatron's MLP (tensor.py) in placements.
+cut by at most two mesh dimensions: a Shard(d), and before it in the mesh a StridedShard(d) that cuts
+each of its chunks again (DTensor's _StridedShard: FSDP's dp over a tp shard's rows, tp-major, so
+the tp shards stay whole ranges and checkpoints reshard); redistribute undoes a StridedShard before
+its Shard and makes it after. `tensor_parallel_mlp` and `tensor_parallel_attention` write Megatron's
+layers (tensor.py) and, with `sequence`, sequence parallelism's (sequence.py: activations Shard(1),
+the sequence, between the regions) in placements.
 What it saves or costs: nothing of its own; each collective is charged to its mesh dimension's
 communicator. Lesson: lessons/04b_placements.md.
 """
@@ -42,6 +46,7 @@ import numpy as np
 from minipar.core import functional as F
 from minipar.core.autograd import Function, Tensor
 from minipar.core.backend import xp_of
+from minipar.core.nn import attention_core
 from minipar.core.shards import padded_bounds, padded_numel
 from minipar.distributed import collectives
 from minipar.distributed.communicator import Comm
@@ -55,6 +60,13 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class StridedShard(Shard):
+    """Shard(dim) of the chunks a later mesh dimension's Shard(dim) made: FSDP over tensor
+    parallelism cuts each tp shard's rows over dp, tp-major (DTensor's _StridedShard, whose
+    split_factor is here the later dimension's size)."""
+
+
+@dataclass(frozen=True)
 class Replicate:
     """Every rank of a mesh dimension holds the whole tensor."""
 
@@ -64,7 +76,7 @@ class Partial:
     """Every rank of a mesh dimension holds a summand; the tensor is their sum."""
 
 
-Placement = Shard | Replicate | Partial
+Placement = Shard | StridedShard | Replicate | Partial
 
 
 class DeviceMesh:
@@ -164,13 +176,41 @@ def _all_to_all(a, comm: Comm, source: int, target: int, sizes: tuple):
     return _take(whole, target, 0, stop - start)
 
 
-def _local_sizes(global_shape: tuple, mesh: DeviceMesh, placements: tuple) -> list[int]:
-    """The sizes of each tensor dim that a mesh dimension cuts: the global ones (one cut per dim)."""
-    sharded = [p.dim for p in placements if isinstance(p, Shard)]
-    if len(sharded) != len(set(sharded)):
-        raise ValueError(f"placements {placements}: a tensor dim sharded by two mesh dimensions "
-                         "(DTensor's strided shard) is not supported")
-    return list(global_shape)
+def _check_supported(placements: tuple) -> None:
+    """A tensor dim is cut by at most one plain Shard and one StridedShard, the StridedShard on an
+    earlier mesh dimension than the Shard it cuts further (FSDP's dp before tp)."""
+    for i, p in enumerate(placements):
+        if type(p) is Shard and any(type(q) is Shard and q.dim == p.dim for q in placements[i + 1:]):
+            raise ValueError(f"placements {placements}: Shard({p.dim}) on two mesh dimensions is not "
+                             f"supported; StridedShard({p.dim}) on the first cuts the second's chunks")
+        if isinstance(p, StridedShard) and not any(type(q) is Shard and q.dim == p.dim
+                                                   for q in placements[i + 1:]):
+            raise ValueError(f"placements {placements}: StridedShard({p.dim}) needs Shard({p.dim}) on a "
+                             "later mesh dimension (it cuts that dimension's chunks)")
+        if isinstance(p, StridedShard) and sum(q == p for q in placements) > 1:
+            raise ValueError(f"placements {placements}: StridedShard({p.dim}) on two mesh dimensions")
+
+
+def _level_shape(global_shape: tuple, mesh: DeviceMesh, placements: tuple, steps: tuple) -> tuple:
+    """The shape a mesh dimension's step cuts: the global one, but for a StridedShard(d) among
+    `steps` (its placement before or after), dim d is this rank's chunk of the later Shard(d)."""
+    shape = list(global_shape)
+    for step in steps:
+        if isinstance(step, StridedShard):
+            k = next(k for k, q in enumerate(placements) if type(q) is Shard and q.dim == step.dim)
+            comm = mesh.dims[mesh.names[k]]
+            start, stop = chunk_bounds(global_shape[step.dim], comm.size, comm.rank)
+            shape[step.dim] = stop - start
+    return tuple(shape)
+
+
+def _step_order(now: tuple, to: tuple) -> list[int]:
+    """The mesh dimensions to change, in an order whose every state is supported: a StridedShard
+    undone first (its Shard still there), then the others in mesh order, a StridedShard made last."""
+    changed = [i for i in range(len(now)) if now[i] != to[i]]
+    first = [i for i in changed if isinstance(now[i], StridedShard)]
+    last = [i for i in changed if isinstance(to[i], StridedShard) and i not in first]
+    return first + [i for i in changed if i not in first and i not in last] + last
 
 
 def change_placement(a, comm: Comm, now: Placement, to: Placement, global_shape: tuple):
@@ -179,6 +219,8 @@ def change_placement(a, comm: Comm, now: Placement, to: Placement, global_shape:
     if now == to:
         return a
     if isinstance(now, Shard) and isinstance(to, Shard):
+        if now.dim == to.dim:
+            raise ValueError(f"{now} -> {to} on one mesh dimension: go through Replicate()")
         return _all_to_all(a, comm, now.dim, to.dim, global_shape)
     if isinstance(now, Shard):  # to Replicate, or to Partial through a zero-padded whole
         whole = _gather(a, comm, now.dim, global_shape[now.dim]) if isinstance(to, Replicate) else None
@@ -201,14 +243,14 @@ def change_placement(a, comm: Comm, now: Placement, to: Placement, global_shape:
 
 def redistribute_local(a, mesh: DeviceMesh, global_shape: tuple, now: tuple, to: tuple):
     """The local piece of a tensor whose placements go from `now` to `to`, one mesh dim at a time."""
-    _local_sizes(global_shape, mesh, now)
-    _local_sizes(global_shape, mesh, to)
+    _check_supported(now)
+    _check_supported(to)
     placements = list(now)
-    for i, name in enumerate(mesh.names):
-        if placements[i] != to[i]:
-            placements[i] = to[i]
-            _local_sizes(global_shape, mesh, tuple(placements))  # the steps between stay supported
-            a = change_placement(a, mesh.dims[name], now[i], to[i], global_shape)
+    for i in _step_order(now, to):
+        before, placements[i] = tuple(placements), to[i]
+        _check_supported(tuple(placements))  # the steps between stay supported
+        shape = _level_shape(global_shape, mesh, before, (now[i], to[i]))
+        a = change_placement(a, mesh.dims[mesh.names[i]], now[i], to[i], shape)
     return a
 
 
@@ -269,17 +311,51 @@ def distribute(full, mesh: DeviceMesh, placements, requires_grad: bool = False) 
     return ShardedArray(Tensor(local, requires_grad), tuple(full.shape), placements, mesh)
 
 
-def tensor_parallel_mlp(x: Tensor, fc, proj, mesh: DeviceMesh) -> Tensor:
-    """Megatron's MLP (tensor.py's ParallelMLP) in placements, on a mesh with a "tp" dimension: the fc
-    weight is Shard(0) (column-parallel), the proj weight Shard(1) (row-parallel), and the input
-    Replicate. Megatron's f is a Replicate -> Replicate redistribute whose gradient arrives Partial
-    (each rank's hidden columns give a summand of it): all-reduce backward. Its g is Partial ->
-    Replicate: all-reduce forward, and a Replicate gradient that goes back for free."""
-    shape = tuple(x.shape)
-    whole = ShardedArray(x, shape, (Replicate(),), mesh)
-    copied = whole.redistribute((Replicate(),), grad_placements=(Partial(),))  # f
-    hidden = F.gelu(F.linear(copied.local, fc.weight, fc.bias))  # Shard(-1): this rank's columns
-    out_shape = shape[:-1] + (proj.weight.shape[0],)
-    partial = ShardedArray(F.linear(hidden, proj.weight), out_shape, (Partial(),), mesh)
-    summed = partial.redistribute((Replicate(),))  # g
-    return summed.local + proj.bias
+def enter_tensor_parallel(x: Tensor, mesh: DeviceMesh, sequence: bool = False) -> Tensor:
+    """The input of a tensor-parallel region made Replicate on "tp". Its gradient arrives Partial
+    (each rank's columns give a summand of it) and goes back to the input's placement: Megatron's f
+    (Replicate -> Replicate: nothing forward, an all-reduce backward), or, with sequence parallelism,
+    the (b, s/t, h) piece Shard(1) all-gathered (a reduce-scatter along the sequence backward)."""
+    now = Shard(1) if sequence else Replicate()
+    shape = (x.shape[0], x.shape[1] * mesh.size("tp"), *x.shape[2:]) if sequence else tuple(x.shape)
+    whole = ShardedArray(x, shape, (now,), mesh)
+    return whole.redistribute((Replicate(),), grad_placements=(Partial(),)).local
+
+
+def leave_tensor_parallel(partial: Tensor, mesh: DeviceMesh, sequence: bool = False) -> Tensor:
+    """A row-parallel product's partial sums (Partial on "tp") made whole: Megatron's g (-> Replicate:
+    an all-reduce, and a Replicate gradient that goes back for free), or, with sequence parallelism,
+    this rank's positions (-> Shard(1): a reduce-scatter, and an all-gather of the gradient)."""
+    to = Shard(1) if sequence else Replicate()
+    return ShardedArray(partial, tuple(partial.shape), (Partial(),), mesh).redistribute((to,)).local
+
+
+def _row_bias(y: Tensor, bias, mesh: DeviceMesh, sequence: bool) -> Tensor:
+    """The row-parallel bias, Replicate, added to the whole output, or to this rank's positions: then
+    each rank's gradient of it is a summand (Partial), all-reduced in backward."""
+    if sequence:
+        bias = ShardedArray(bias, tuple(bias.shape), (Replicate(),), mesh).redistribute(
+            (Replicate(),), grad_placements=(Partial(),)).local
+    return y + bias
+
+
+def tensor_parallel_mlp(x: Tensor, fc, proj, mesh: DeviceMesh, sequence: bool = False) -> Tensor:
+    """Megatron's MLP (tensor.py's ParallelMLP; with `sequence`, sequence.py's SequenceParallelMLP)
+    in placements, on a mesh with a "tp" dimension: the fc weight is Shard(0) (column-parallel), the
+    proj weight Shard(1) (row-parallel); the input Replicate (with `sequence`, a Shard(1) piece of
+    the sequence), and so is the output."""
+    copied = enter_tensor_parallel(x, mesh, sequence)  # f, or the sequence's all-gather
+    hidden = F.gelu(F.linear(copied, fc.weight, fc.bias))  # Shard(-1): this rank's columns
+    partial = F.linear(hidden, proj.weight)  # Partial: a summand of the output
+    return _row_bias(leave_tensor_parallel(partial, mesh, sequence), proj.bias, mesh, sequence)  # g
+
+
+def tensor_parallel_attention(x: Tensor, attn, mesh: DeviceMesh, sequence: bool = False) -> Tensor:
+    """Megatron's attention (tensor.py's ParallelAttention; with `sequence`, sequence.py's
+    SequenceParallelAttention) in placements: query, key and value weights Shard(0) (this rank's
+    heads), proj Shard(1); one enter for the three (their input gradients summed locally first)."""
+    copied = enter_tensor_parallel(x, mesh, sequence)
+    q, k, v = (F.linear(copied, layer.weight, layer.bias) for layer in (attn.query, attn.key, attn.value))
+    y = attention_core(q, k, v, attn.local_heads, attn.recompute_core, attn.attention)  # Shard(-1)
+    partial = F.linear(y, attn.proj.weight)
+    return _row_bias(leave_tensor_parallel(partial, mesh, sequence), attn.proj.bias, mesh, sequence)

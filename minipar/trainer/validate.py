@@ -163,8 +163,12 @@ def _combinations(cfg: TrainConfig) -> list[str]:
          "would run after its layer's FP8 scope has closed; use another schedule"),
         (cfg.fsdp and cfg.zero > 0,
          f"--fsdp with --zero {cfg.zero}: both shard the model states over dp; choose one"),
-        (cfg.fsdp and (cfg.chunked or cfg.ep > 1),
-         "--fsdp with chunked ZeRO-3 (--offload, --chunk-mb, --device-mem-mb) or --ep is not built"),
+        (cfg.fsdp and cfg.chunked,
+         "--fsdp with --offload, --chunk-mb or --device-mem-mb is not built: FSDP gathers a module's "
+         "parameters, not chunks of them; use --zero 3 with those"),
+        (cfg.fsdp and cfg.ep > 1,
+         f"--fsdp with --ep {cfg.ep} is not built: the experts' parameters are split over ep, and FSDP "
+         "shards every parameter over all of dp; use --zero 1, 2 or 3 with --ep"),
         (cfg.fsdp and cfg.precision == "fp8",
          "--fsdp with --precision fp8 is not built: it runs in fp64, fp32, bf16 or fp16"),
         (cfg.fsdp and cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1,

@@ -9,7 +9,9 @@
 3. The alpha-beta effect: step time with tp inside and across nodes, the link limited by tc tbf
    (netem's delay where the kernel has it; skipped in one line otherwise).
 4. A fault on a rank of node 2 (rank 5): how long until every rank on both nodes has ended.
-5. What is left afterwards: nothing.
+5. Hybrid sharding beside FSDP2 on 2 nodes x 2 ranks (`--fsdp --dp-replicate 2`, dp 4; lesson 04b):
+   each node's inter-node bytes on the ledger, by dimension, and on the kernel's counters.
+6. What is left afterwards: nothing.
 
 Run as root (network namespaces): `make multinode [NODES=3]`, or `.venv/bin/python
 tests/multinode/cluster.py` (NODES from the environment).
@@ -108,6 +110,38 @@ def shaped_step_times(cluster: SimulatedCluster, folder: Path) -> None:
     cluster.shape_links(None)
 
 
+def hybrid_beside_fsdp(cluster: SimulatedCluster, folder: Path) -> bool:
+    """Lesson 04b's figures: FSDP2 over dp 4 puts its rings across the two nodes; hybrid sharding
+    (replicate 2 x shard 2, a shard group a node) sends only the replicas' all-reduce between them."""
+    print("\nFSDP2 and hybrid sharding, dp 4 on 2 nodes x 2 ranks (the default GPT, fp64), the last of 3 "
+          "steps: per node, the ledger's inter-node bytes by dimension and what the node's link sent")
+    print(f"{'layout':<26}{'node':>6}{'ledger inter-node B by dimension':>36}{'link B':>11}{'packets':>9}"
+          f"{'link / ledger':>15}{'B/packet over':>15}")
+    ok = True
+    base = {**MODEL, "dp": 4, "fsdp": True, "batch_size": 8, "precision": "fp64", "steps": 3, "quiet": True}
+    # The prefetched gathers are MPI_Iallgather: with MPICH's ring for them (a CVAR), the gathers send
+    # what the ledger's ring charges, and only the reduce-scatter's algorithm still differs.
+    ring = {"MPIR_CVAR_IALLGATHER_INTRA_ALGORITHM": "sched_ring"}
+    for name, changes, env in (("--fsdp", {}, {}), ("--fsdp, Iallgather ring", {}, ring),
+                               ("--fsdp --dp-replicate 2", {"dp_replicate": 2}, {})):
+        found, result, _ = node_job(cluster, {**base, **changes}, folder / "hybrid.json", ranks_per_node=2,
+                                    env=env)
+        if result.returncode != 0:
+            print(result.stderr[-2000:])
+            return False
+        ok &= found["check"]["max_rel_weight_deviation"] <= 1e-9
+        for link in found["links"]:
+            step, (sent, packets) = len(link["per_step"]) - 1, link["per_step"][-1]
+            ranks = [r["comm"][step] for r in found["ranks"] if r["node"] == link["node"]]
+            by_dim = {dim: sum(r["by_dim_link"][dim]["inter"] for r in ranks)
+                      for dim in ranks[0]["by_dim_link"]}
+            payload = sum(by_dim.values())
+            shown = ", ".join(f"{dim} {n:,}" for dim, n in by_dim.items() if dim.startswith("dp"))
+            print(f"{name:<26}{link['node']:>6}{shown:>36}{sent:>11,}{packets:>9}{sent / payload:>15.4f}"
+                  f"{(sent - payload) / packets:>15.1f}")
+    return ok
+
+
 def demo() -> int:
     with tempfile.TemporaryDirectory() as folder, SimulatedCluster(nodes=NODES) as cluster:
         print(f"{NODES} nodes: {', '.join(f'{n.host} {n.address}' for n in cluster.nodes)} on bridge "
@@ -116,6 +150,7 @@ def demo() -> int:
         ok = kernel_against_ledger(cluster, Path(folder)) and ok
         shaped_step_times(cluster, Path(folder))
         ok = fault_on_node2(cluster) and ok
+        ok = hybrid_beside_fsdp(cluster, Path(folder)) and ok
     left = cluster.leftovers()
     print(f"after teardown: {left or 'no namespace, interface or process left'}")
     return 0 if ok and not left else 1

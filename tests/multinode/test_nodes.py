@@ -3,9 +3,11 @@
 A serial test (plain pytest) that launches its own mpiexec: 2 nodes x 4 ranks, dp=2 across the nodes,
 pp=2 and tp=2 inside each (the grid's placement), checked against one process; the ledger's
 inter-node bytes checked against the kernel's byte counters of each node's link; pp, then tp, put
-across the nodes by dealing ranks out 2, then 1, at a time; a fault on a rank of node 2; nothing
-left behind. Skipped, in one
-line, where network namespaces cannot be made (not root, or `ip netns add` refused).
+across the nodes by dealing ranks out 2, then 1, at a time; hybrid sharding (2 nodes x 2 ranks,
+`--fsdp --dp-replicate 2`) sending only the replicas' all-reduce between the nodes, on the ledger
+(to the byte, from the shapes) and on the kernel's counters; a fault on a rank of node 2; nothing
+left behind. Skipped, in one line, where network namespaces cannot be made (not root, or `ip netns
+add` refused).
 
     .venv/bin/python -m pytest -q tests/multinode/test_nodes.py       # make multinode: the figures
 """
@@ -108,6 +110,62 @@ def test_kernel_counters_agree_with_the_ledger(jobs, placement):
         for step, (sent, packets) in enumerate(link["per_step"]):
             payload = inter_node_bytes(found, link["node"], step)
             assert payload > 0
+            assert payload + HEADER_BYTES * packets <= sent <= payload + MOST_OVERHEAD_PER_PACKET * packets, \
+                (link["node"], step, sent, packets, payload)
+
+
+# Hybrid sharding (--fsdp --dp-replicate 2) on 2 nodes x 2 ranks: dp 4 = (replicate 2) x (shard 2),
+# shard innermost, so each node is one shard group and the replicas are the nodes.
+HYBRID = dict(dp=4, fsdp=True, dp_replicate=2, precision="fp64", n_layer=2, n_head=3, d_model=9, seq_len=8,
+              batch_size=8, steps=3, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def hybrid_job(cluster, tmp_path_factory):
+    found, result, _ = node_job(cluster, HYBRID, tmp_path_factory.mktemp("hybrid") / "out.json",
+                                ranks_per_node=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return found
+
+
+def replicas_all_reduce_bytes(replica: int) -> int:
+    """What a rank sends over dp_replicate in a step, from the shapes: each unit's gradient shard (every
+    parameter's rows padded to a multiple of S = 2, a rank keeping half) all-reduced by a 2-rank ring,
+    the shard cut in two as array_split cuts, fp64."""
+    from minipar.distributed.ledger import ring_bytes_sent
+    from minipar.trainer import build
+    from minipar.trainer.config import TrainConfig
+
+    model = build.build_model(TrainConfig(**{**HYBRID, "dp": 1, "fsdp": False, "dp_replicate": 1}), None)
+    units = [sum(-(-p.shape[0] // 2) * (p.size // p.shape[0]) for p in unit.parameters())
+             for _, unit in model.units()]
+    return sum(ring_bytes_sent("all_reduce", [(e - e // 2) * 8, e // 2 * 8], replica) for e in units)
+
+
+def test_hybrid_sharding_on_two_nodes_trains_like_one_process(hybrid_job):
+    assert [r["node"] for r in hybrid_job["ranks"]] == ["node1", "node1", "node2", "node2"]
+    check = hybrid_job["check"]
+    assert check["max_rel_loss_deviation"] <= 1e-9 and check["max_rel_weight_deviation"] <= 1e-9, check
+
+
+def test_hybrid_sharding_sends_only_the_replicas_all_reduce_between_nodes(hybrid_job):
+    """The gathers and reduce-scatters (dp_shard) stay inside a node; what crosses is the all-reduce of
+    the gradient shards over dp_replicate, every step, to the byte."""
+    for rank in hybrid_job["ranks"]:
+        expected = replicas_all_reduce_bytes(replica=rank["rank"] // 2)
+        for step in rank["comm"]:
+            assert step["by_dim_link"]["dp_replicate"] == {"intra": 0, "inter": expected}, rank["rank"]
+            assert step["by_dim_link"]["dp_shard"]["inter"] == 0 < step["by_dim_link"]["dp_shard"]["intra"]
+            assert step["by_link"]["inter"] == expected
+
+
+def test_hybrid_sharding_kernel_counters_agree_with_the_ledger(hybrid_job):
+    """Each node's link sent its ranks' all-reduce bytes plus per-packet headers, step by step: a
+    gather across the nodes (shard groups not one node each) would add a whole shard's bytes."""
+    for link in hybrid_job["links"]:
+        for step, (sent, packets) in enumerate(link["per_step"]):
+            payload = inter_node_bytes(hybrid_job, link["node"], step)
+            assert payload == 2 * replicas_all_reduce_bytes(0 if link["node"] == "node1" else 1)
             assert payload + HEADER_BYTES * packets <= sent <= payload + MOST_OVERHEAD_PER_PACKET * packets, \
                 (link["node"], step, sent, packets, payload)
 

@@ -38,7 +38,8 @@ def tiny(**changes) -> TrainConfig:
 
 def layouts(world: int) -> list[dict]:
     """The layouts of this world size the test draws from: data parallelism with each ZeRO stage and
-    chunked ZeRO-3, tensor and pipeline parallelism, context and expert parallelism."""
+    chunked ZeRO-3, tensor and pipeline parallelism, context and expert parallelism, FSDP2 (a piece is
+    a parameter's own rows) and hybrid sharding (a replica's rows not counted), last."""
     options = [dict(zero=zero) for zero in (0, 1, 2, 3)] + [dict(zero=3, chunk_mb=0.01)]
     if world >= 2:
         options += [dict(tp=2, zero=1), dict(cp=2), dict(model="moe", ep=2, zero=2), dict(model="moe", ep=2)]
@@ -47,7 +48,18 @@ def layouts(world: int) -> list[dict]:
                     dict(model="moe", tp=2, ep=2, zero=1)]
     if world >= 8:
         options += [dict(pp=2, tp=2, zero=3, microbatches=2), dict(model="moe", ep=4, zero=3)]
+    if world >= 2:
+        options += [dict(fsdp=True)]
+    if world >= 4:
+        options += [dict(fsdp=True, dp_replicate=2), dict(fsdp=True, tp=2)]
+    if world >= 8:
+        options += [dict(fsdp=True, pp=2, tp=2, microbatches=2)]
     return options
+
+
+def layout_index(**layout) -> int:
+    """Where `layout` is among this world size's layouts (0 where it is not one of them)."""
+    return layouts(WORLD.size).index(layout) if layout in layouts(WORLD.size) else 0
 
 
 class Recorder(GradientTransform):
@@ -61,8 +73,9 @@ class Recorder(GradientTransform):
                            for p in pieces()])
 
 
-def reference_gradients(cfg: TrainConfig) -> tuple[list[dict], list[float]]:
-    """The single-process run's unclipped gradients {name: array} and its logged norms, step by step."""
+def reference_gradients(cfg: TrainConfig, weights: list | None = None) -> tuple[list[dict], list[float]]:
+    """The single-process run's unclipped gradients {name: array} and its logged norms, step by step
+    (and its final weights, appended to `weights`)."""
     trainer = train.Trainer(cfg.single_process(), MPI.COMM_SELF)
     recorder = Recorder()
     trainer.engine.updater.register_gradients_ready_hook(recorder, first=True)
@@ -70,6 +83,8 @@ def reference_gradients(cfg: TrainConfig) -> tuple[list[dict], list[float]]:
     full = [{name: values for name, _, _, values in step} for step in recorder.steps]
     shapes = {name: p.shape for name, p in trainer.engine.model.named_parameters()}
     norms = [r["grad_norm"] for r in records]
+    if weights is not None:
+        weights.append(trainer.full_state())
     return [{n: v.reshape(shapes[n]) for n, v in step.items()} for step in full], norms
 
 
@@ -77,9 +92,13 @@ def norm_of(gradients: dict) -> float:
     return float(np.sqrt(sum(float((g * g).sum()) for g in gradients.values())))
 
 
-def check_clipped(cfg: TrainConfig, pieces_per_rank: list, records: list) -> None:
-    """On rank 0: every rank's clipped pieces and the logged norms against NumPy on the reference."""
-    reference, reference_norms = reference_gradients(cfg)
+def check_clipped(cfg: TrainConfig, pieces_per_rank: list, records: list, full: dict | None = None) -> None:
+    """On rank 0: every rank's clipped pieces and the logged norms against NumPy on the reference, and
+    the trained weights `full` (where given) against the reference's, fp64's 1e-9."""
+    weights: list = []
+    reference, reference_norms = reference_gradients(cfg, weights)
+    for name, want in weights[0].items() if full is not None else ():
+        np.testing.assert_allclose(full[name], want, rtol=1e-9, atol=1e-12, err_msg=name)
     replicated = {name for rank in pieces_per_rank for step in rank for name, shard, _, _ in step
                   if shard is None} if cfg.tp > 1 else set()
     for step, gradients in enumerate(reference):
@@ -106,7 +125,12 @@ def check_clipped(cfg: TrainConfig, pieces_per_rank: list, records: list) -> Non
 @mpi_given(max_examples=4, shrink=False, layout_index=st.integers(0, 100), seed=st.integers(0, 2**16),
            examples=[at_world_size((2, 4, 8), layout_index=5, seed=3),  # tp = 2 with ZeRO-1
                      at_world_size((4, 8), layout_index=10, seed=4),  # pp x tp
-                     at_world_size((2, 4, 8), layout_index=4, seed=5)])  # chunked ZeRO-3
+                     at_world_size((2, 4, 8), layout_index=4, seed=5),  # chunked ZeRO-3
+                     at_world_size((2,), layout_index=layout_index(fsdp=True), seed=6),
+                     at_world_size((4,), layout_index=layout_index(fsdp=True, dp_replicate=2), seed=7),
+                     at_world_size((4,), layout_index=layout_index(fsdp=True, tp=2), seed=8),
+                     at_world_size((8,), layout_index=layout_index(fsdp=True, pp=2, tp=2, microbatches=2),
+                                   seed=9)])
 def test_clipped_gradients_and_the_logged_norm_are_numpys_from_one_process(layout_index, seed):
     options = layouts(WORLD.size)
     layout = options[layout_index % len(options)]
@@ -117,11 +141,12 @@ def test_clipped_gradients_and_the_logged_norm_are_numpys_from_one_process(layou
     recorder = Recorder()
     trainer.engine.updater.register_gradients_ready_hook(recorder)  # after the clipping
     records = trainer.run()
+    full = trainer.full_state()
     pieces = WORLD.gather([[[(n, s, o, v) for n, s, o, v in step] for step in recorder.steps]], root=0)
     counted = WORLD.gather(sum(1 for step in recorder.steps for _ in step), root=0)
     if WORLD.rank == 0:
         assert min(counted) > 0
-        check_clipped(cfg, [rank[0] for rank in pieces], records)
+        check_clipped(cfg, [rank[0] for rank in pieces], records, full)
 
 
 @needs_world_size(4, 8)

@@ -82,8 +82,28 @@ def test_fsdp_trains_to_the_single_process_losses_and_weights(comm, pick, model,
                **({"n_head": 2, "d_model": 10} if tp > 1 and model == "gpt" else {}))
     trainer, records, full = trained(cfg, comm)
     assert isinstance(trainer.engine.updater, FullyShardedDataParallel)
+    gathered = placed_in_full(trainer.engine.updater)
     if comm.rank == 0:
         assert deviations(cfg, records, full) == []
+        assert gathered.keys() == full.keys()
+        for name, whole in gathered.items():  # the placements' gathers give the trained parameters
+            assert np.array_equal(whole, full[name]), name
+
+
+def placed_in_full(updater) -> dict:
+    """Each parameter made whole from its ShardedArray (a collective over the mesh: dp, then tp), the
+    padding of a vocab-parallel tp shard cut off: {name: array}, on every rank of pipeline stage 0 and
+    the other stages' parameters gathered to world rank 0 (stage by stage, as full_state does)."""
+    from mpi4py import MPI
+
+    mine, sharded = {}, updater.sharded_parameters()
+    for unit in updater.sharded_units():
+        for name, p in zip(unit.names, unit.params):
+            whole = sharded[name].full()
+            size = p.shard.full_shape if p.shard is not None else whole.shape
+            mine[name] = whole[tuple(slice(0, n) for n in size)]
+    every = MPI.COMM_WORLD.gather(mine, root=0)
+    return {name: a for stage in every or [] for name, a in stage.items()}
 
 
 @needs_world_size(2)

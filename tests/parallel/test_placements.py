@@ -224,3 +224,108 @@ def test_megatron_mlp_in_placements_is_tensor_py_step_for_step(comm, seed):
     assert numpy.array_equal(y0, y1) and numpy.array_equal(gx0, gx1)
     assert all(numpy.array_equal(a, b) for a, b in zip(gp0, gp1))
     assert sent0 == sent1 == {"tp": {"all_reduce": 2 * (3 * 6 * 8)}}  # f and g: 2(N-1)/N·S each, N = 2
+
+
+def megatron_layer(name: str, tp):
+    """tensor.py's or sequence.py's layer (2 heads of 3), and the same layer written in placements."""
+    from minipar.core.nn import GPTConfig
+    from minipar.parallel import placements, sequence, tensor
+
+    cfg, mesh, sp = GPTConfig(d_model=6, n_head=2), DeviceMesh({"tp": tp}), name.startswith("sp ")
+    if name.endswith("attention"):
+        layer = (sequence.SequenceParallelAttention if sp else tensor.ParallelAttention)(cfg, tp)
+        return layer, lambda x: placements.tensor_parallel_attention(x, layer, mesh, sequence=sp)
+    layer = (sequence.SequenceParallelMLP if sp else tensor.ParallelMLP)(cfg, tp)
+    return layer, lambda x: placements.tensor_parallel_mlp(x, layer.fc, layer.proj, mesh, sequence=sp)
+
+
+@needs_world_size(2)
+@mpi_given(max_examples=2, layer=st.sampled_from(["attention", "sp mlp", "sp attention"]),
+           seed=st.integers(0, 2**16),
+           examples=[at_world_size((2,), layer=name, seed=i) for i, name in
+                     enumerate(["attention", "sp mlp", "sp attention"])])
+def test_attention_and_sequence_parallelism_in_placements_are_megatrons_step_for_step(comm, layer, seed):
+    """ParallelAttention, SequenceParallelMLP and SequenceParallelAttention against the same layers in
+    placements: the same output, gradients and tp bytes, bit for bit. Bytes by hand, N = 2: the
+    attention's f and g each an all-reduce of the (b, s, h) activation, S bytes a rank; with sequence
+    parallelism a (b, s/2, h) piece of P bytes, all-gathered entering and reduce-scattered leaving, the
+    other one in backward, (N-1)·P each, and the proj bias's gradient (h values, Partial over the
+    ranks' positions) all-reduced: (N-1)/N·2·h·8."""
+    tp = comm.split(0, comm.rank, "tp", reuse=("test",))
+    module, in_placements = megatron_layer(layer, tp)
+    rng = numpy.random.default_rng(seed)
+    for p in module.parameters():
+        p.data = rng.standard_normal(p.shape)  # the same draws on every rank, then each keeps its own
+    for p in module.parameters():
+        p.data = p.data + comm.rank * (p.shard is not None)  # shards differ between ranks
+    sp = layer.startswith("sp ")
+    shape = (2, 2 if sp else 4, 6)  # (b, s, h); with sp each rank's half of the 4 positions
+    x_data = rng.standard_normal((comm.size, *shape))[comm.rank if sp else 0]  # Shard(1) or Replicate
+    upstream = rng.standard_normal((comm.size, *shape))[comm.rank if sp else 0]
+    outcomes = []
+    for forward in (module.forward, in_placements):
+        for p in module.parameters():
+            p.grad = None
+        x = Tensor(x_data.copy(), True)
+        comm.ledger.start_step()
+        y = forward(x)
+        y.backward(upstream)
+        outcomes.append((y.data, x.grad, [p.grad.copy() for p in module.parameters()],
+                         comm.ledger.step_report()["by_dim_op"]))
+    (y0, gx0, gp0, sent0), (y1, gx1, gp1, sent1) = outcomes
+    assert y0.shape == shape and numpy.array_equal(y0, y1) and numpy.array_equal(gx0, gx1)
+    assert all(numpy.array_equal(a, b) for a, b in zip(gp0, gp1))
+    piece = int(numpy.prod(shape)) * 8
+    expected = {"all_gather": 2 * piece, "reduce_scatter": 2 * piece,
+                "all_reduce": ring_bytes_sent("all_reduce", [3 * 8, 3 * 8], comm.rank)} if sp else \
+        {"all_reduce": 2 * piece}
+    assert sent0 == sent1 == {"tp": expected}
+
+
+@needs_world_size(4)
+@mpi_given(max_examples=4, rows=st.integers(1, 9), cols=st.integers(1, 3), seed=st.integers(0, 2**16),
+           examples=[at_world_size((4,), rows=7, cols=3, seed=1),  # tp chunks of 4 and 3 rows
+                     at_world_size((4,), rows=1, cols=2, seed=2)])  # empty chunks at both levels
+def test_strided_shard_cuts_each_tp_chunk_over_dp_tp_major(comm, rows, cols, seed):
+    """(StridedShard(0), Shard(0)) on ("a", "b") = (dp, tp): rows cut over tp first, then each tp chunk's
+    rows over dp (FSDP over a column-parallel weight). By hand: rank (a, b) holds rows chunk(m, 2, a)
+    of tp chunk b (m rows). FSDP's gather over dp gives the tp chunk, (2-1)·ceil(m/2) rows sent, and
+    its Partial gradient (each dp rank's own data) comes back summed by a reduce-scatter of as many;
+    the whole tensor gathers tp after dp; cutting a Replicate tensor sends nothing; Shard(0) on both
+    mesh dimensions is refused."""
+    from minipar.parallel.placements import StridedShard, distribute
+
+    mesh, all_coords = mesh_of(comm)
+    a, b = all_coords[comm.rank]
+    full = numpy.random.default_rng(seed).standard_normal((rows, cols))
+    tp_start, tp_stop = chunk(rows, 2, b)
+    m = tp_stop - tp_start
+    start, stop = chunk(m, 2, a)
+    strided = (StridedShard(0), Shard(0))
+    comm.ledger.start_step()
+    x = distribute(full, mesh, strided, requires_grad=True)
+    cut_sent = sent_by_dim(comm)
+    gathered = x.redistribute((Replicate(), Shard(0)), grad_placements=(Partial(), Shard(0)))
+    forward = sent_by_dim(comm)
+    upstream = numpy.random.default_rng([seed, a]).standard_normal((m, cols))  # dp rank a's own gradient
+    comm.ledger.start_step()
+    gathered.local.backward(upstream)
+    backward = sent_by_dim(comm)
+    comm.ledger.start_step()
+    whole = x.full()
+    whole_sent = sent_by_dim(comm)
+    refused = ""
+    try:
+        distribute(full, mesh, (Shard(0), Shard(0)))
+    except ValueError as error:
+        refused = str(error)
+    other_dp_rank = numpy.random.default_rng([seed, 1 - a]).standard_normal((m, cols))
+    assert numpy.array_equal(x.local.data, full[tp_start:tp_stop][start:stop]) and cut_sent == {}
+    assert numpy.array_equal(gathered.local.data, full[tp_start:tp_stop])
+    assert forward == ({"a": -(-m // 2) * cols * 8} if m else {})
+    assert numpy.allclose(x.local.grad, (upstream + other_dp_rank)[start:stop], rtol=1e-15, atol=0)
+    assert backward == forward
+    assert numpy.array_equal(whole, full)
+    assert whole_sent == {k: v for k, v in {"a": -(-m // 2) * cols * 8, "b": -(-rows // 2) * cols * 8}.items()
+                          if v}
+    assert "Shard(0) on two mesh dimensions is not supported" in refused

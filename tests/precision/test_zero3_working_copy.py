@@ -23,6 +23,7 @@ from mpi4py import MPI
 from mpi_harness import at_world_size, mpi_given, mpi_test, needs_world_size
 
 from minipar.core.shards import padded_numel
+from minipar.distributed.ledger import ring_bytes_sent
 from minipar.memory import planner
 from minipar.precision.formats import round_to_bf16, round_to_fp16
 from minipar.precision.mixed import parameter_wire
@@ -217,10 +218,11 @@ def per_parameter_shard(cfg) -> int:
     return sum(-(-p.shape[0] // cfg.dp) * (p.size // p.shape[0]) for p in model.parameters())
 
 
-def fsdp_beside_zero3(cfg: TrainConfig, comm) -> tuple[dict, dict, tuple | None]:
-    """{layout: (losses, skips, weights)} of --fsdp and --zero 3 on the same ranks, the first record
-    of the FSDP run, and the single-process run (on rank 0)."""
-    trainer = train.Trainer(cfg.replace(fsdp=True), comm.mpi)
+def fsdp_beside_zero3(cfg: TrainConfig, comm, **fsdp) -> tuple[dict, dict, tuple | None]:
+    """{layout: (losses, skips, weights)} of --fsdp (with the options `fsdp`: --dp-replicate) and
+    --zero 3 on the same ranks, the first record of the FSDP run, and the single-process run (on rank
+    0)."""
+    trainer = train.Trainer(cfg.replace(fsdp=True, **fsdp), comm.mpi)
     records = trainer.run()
     full = trainer.full_state()
     runs = {"fsdp": ([r["loss"] for r in records], [r["loss_scaling"]["skipped"] for r in records
@@ -275,4 +277,43 @@ def test_fsdp_in_fp16_over_tensor_parallel_shards_trains_bit_for_bit_like_zero3(
         return
     assert runs["fsdp"][:2] == runs["zero3"][:2]
     np.testing.assert_array_equal(runs["fsdp"][2], runs["zero3"][2])
+    assert_within_tolerance_of_one_process(cfg, runs["fsdp"][2], runs["fsdp"][0], single)
+
+
+
+# ---- hybrid sharding (--dp-replicate R): the 16-bit rows gathered inside a shard group ----
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@needs_world_size(2, 4)
+@mpi_test
+def test_hybrid_in_16_bits_gathers_2_bytes_inside_a_shard_group_and_all_reduces_fp32_shards(
+        comm, precision):
+    """--dp-replicate 2 over N = 2 or 4 ranks: shard groups of S = N/2. Rank 0's bytes of the first
+    step, from the formulas: on dp_shard the per-parameter shard (rows padded to a multiple of S)
+    gathered twice at 2 bytes a value and the gradients reduce-scattered in fp32, on dp_replicate the
+    ring all-reduce of each unit's fp32 gradient shard (cut in two as array_split cuts); it holds a
+    2-byte shard, fp32 gradients and K = 4 + 8. Within --check-reference's tolerance of one process.
+    At N = 2 (S = 1) nothing is gathered and the all-reduce sums two whole fp32 gradients, ZeRO-3's
+    sum of two: losses, fp16 skips and weights are ZeRO-3's bit for bit (an all-reduce of gradients
+    rounded to 16 bits, or a forward on unrounded weights, moves them)."""
+    shards = comm.size // 2
+    cfg = tiny(precision=precision, dp=comm.size, batch_size=2 * comm.size, **TRAINING[precision])
+    runs, first, single = fsdp_beside_zero3(cfg, comm, dp_replicate=2)
+    shard = per_parameter_shard(cfg.replace(dp=shards))
+    model = build.build_model(cfg.replace(dp=1), None)
+    per_unit = [sum(-(-p.shape[0] // shards) * (p.size // p.shape[0]) for p in unit.parameters())
+                for _, unit in model.units()]
+    replica = comm.rank // shards
+    all_reduce = sum(ring_bytes_sent("all_reduce", [(e - e // 2) * 4, e // 2 * 4], replica) for e in per_unit)
+    assert sum(per_unit) == shard
+    assert first["comm"]["by_dim_op"] == {"dp_replicate": {"all_reduce": all_reduce},  # none at S = 1
+                                          "dp_shard": {"all_gather": 2 * (shards - 1) * shard * 2,
+                                                       "reduce_scatter": (shards - 1) * shard * 4}}
+    assert (first["mem"]["params"], first["mem"]["grads"], first["mem"]["optimizer"]) == \
+        (2 * shard, 4 * shard, 12 * shard)
+    if comm.rank != 0:
+        return
+    if shards == 1:
+        assert runs["fsdp"][:2] == runs["zero3"][:2]
+        np.testing.assert_array_equal(runs["fsdp"][2], runs["zero3"][2])
     assert_within_tolerance_of_one_process(cfg, runs["fsdp"][2], runs["fsdp"][0], single)

@@ -199,6 +199,13 @@ def test_validate_refuses_what_the_parser_would(changes, message):
     ({"fsdp": True, "dp_replicate": 0, "dp": 2}, 2, "--dp-replicate must be at least 1, got 0"),
     ({"fsdp": True, "precision": "fp8", "dp": 2}, 2,
      "--fsdp with --precision fp8 is not built: it runs in fp64, fp32, bf16 or fp16"),
+    *[(dict(fsdp=True, dp=2, **chunks), 2, "--fsdp with --offload, --chunk-mb or --device-mem-mb is not "
+       "built: FSDP gathers a module's parameters, not chunks of them; use --zero 3 with those")
+      for chunks in ({"offload": "cpu", "device_mem_mb": "auto"}, {"chunk_mb": 0.01},
+                     {"device_mem_mb": "auto"})],
+    ({"fsdp": True, "model": "moe", "ep": 2, "dp": 2}, 2,
+     "--fsdp with --ep 2 is not built: the experts' parameters are split over ep, and FSDP shards every "
+     "parameter over all of dp; use --zero 1, 2 or 3 with --ep"),
 ])
 def test_fsdp_combinations_are_refused_in_one_line(changes, world, message):
     assert validate(TrainConfig(**changes), world) == [message]
