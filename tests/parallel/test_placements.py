@@ -250,7 +250,9 @@ def test_attention_and_sequence_parallelism_in_placements_are_megatrons_step_for
     attention's f and g each an all-reduce of the (b, s, h) activation, S bytes a rank; with sequence
     parallelism a (b, s/2, h) piece of P bytes, all-gathered entering and reduce-scattered leaving, the
     other one in backward, (N-1)·P each, and the proj bias's gradient (h values, Partial over the
-    ranks' positions) all-reduced: (N-1)/N·2·h·8."""
+    ranks' positions) all-reduced: (N-1)/N·2·h·8. Megatron's sequence-parallel layers keep only the
+    piece and all-gather it again for the weight gradients (lesson 05): (N-1)·P more, once per gathered
+    input; the placements form keeps the gathered input whole, as any saved tensor."""
     tp = comm.split(0, comm.rank, "tp", reuse=("test",))
     module, in_placements = megatron_layer(layer, tp)
     rng = numpy.random.default_rng(seed)
@@ -279,7 +281,8 @@ def test_attention_and_sequence_parallelism_in_placements_are_megatrons_step_for
     expected = {"all_gather": 2 * piece, "reduce_scatter": 2 * piece,
                 "all_reduce": ring_bytes_sent("all_reduce", [3 * 8, 3 * 8], comm.rank)} if sp else \
         {"all_reduce": 2 * piece}
-    assert sent0 == sent1 == {"tp": expected}
+    regathered = {**expected, "all_gather": 3 * piece} if sp else expected
+    assert sent0 == {"tp": regathered} and sent1 == {"tp": expected}
 
 
 @needs_world_size(4)
