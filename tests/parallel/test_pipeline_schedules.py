@@ -177,6 +177,33 @@ def test_v_schedules_with_tp_2_and_with_ep_2(schedule, model, changes):
     assert dims["pp"] > 0 and dims.get("tp" if "tp" in changes else "ep", 0) > 0, dims
 
 
+@needs_world_size(4)
+@pytest.mark.mpi
+@pytest.mark.parametrize("interleave", [True, False])
+def test_dualpipev_f_and_b_computes_one_part_while_the_others_all_to_all_is_in_flight(interleave):
+    """DeepSeek-V3's overlap, read off the timing record: inside an F&B step (MoE, ep 2 in dp 2, pp 2)
+    each part's first expert all-to-all is posted, then the other part computes (one of its compute
+    stretches starts), and only then is the all-to-all waited for. Exact to one process either way;
+    with the interleave off (--no-overlap) every all-to-all is waited at once, so the check cannot pass."""
+    microbatches = 4
+    cfg = TrainConfig(model="moe", dp=2, ep=2, pp=2, microbatches=microbatches, schedule="dualpipev",
+                      precision="fp64", steps=2, batch_size=2 * microbatches, seq_len=6, n_layer=4, n_head=2,
+                      d_model=8, seed=7, quiet=True, no_overlap=not interleave)
+    _, records = run_in_groups(cfg)
+    timing = records[-1]["pipeline"]
+    for rank, exchanges in enumerate(timing["stage_exchanges_s"]):
+        stretches = timing["stage_action_times_s"][rank]
+        steps = {step for step, *_ in exchanges}
+        # rank s's F&B steps (see assert_f_and_b_overlaps); each part's chunk holds an MoE block here
+        assert len(steps) == 2 * (microbatches - 4 + rank + 1) + (1 - rank) - (rank == 1), steps
+        for step in steps:
+            forward, backward = step.split("&")
+            for part, other in ((forward, backward), (backward, forward)):
+                posted, waited = next((p, w) for s, q, p, w in exchanges if (s, q) == (step, part))
+                hidden = any(label == other and posted <= start <= waited for label, start, _ in stretches)
+                assert hidden is interleave, (rank, step, part, posted, waited)
+
+
 def test_v_stage_holds_chunks_s_and_2k_minus_1_minus_s():
     names = [build_stage(MLPNet(MLPConfig(d_hidden=8, n_layer=4), seed=None), 2, s, 2, "v").chunk_units
              for s in range(2)]
