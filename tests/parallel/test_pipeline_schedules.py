@@ -179,6 +179,42 @@ def test_v_schedules_with_tp_2_and_with_ep_2(schedule, model, changes):
 
 @needs_world_size(4)
 @pytest.mark.mpi
+@pytest.mark.parametrize("schedule, model", [("zb-v", "gpt"), ("dualpipev", "gpt"), ("zb-v", "moe"),
+                                             ("dualpipev", "moe")])
+def test_v_schedules_on_pp_4(schedule, model):
+    """K = 4: 8 chunks, M = 2K = 8. Messages by hand: chunk 0 of rank s sends activations to s+1 and
+    gradients to s-1, chunk 1 the other way; the loss on rank 0 and the turn of the V on rank K-1 send
+    nothing, so the two end ranks send 2M and the two middle ones 4M. Peaks: 2K pairs (ZB-V), 2K + 1
+    (DualPipeV, the DualPipe README's PP + 1)."""
+    k, microbatches = 4, 8
+    cfg = TrainConfig(model=model, dp=1, pp=k, microbatches=microbatches, schedule=schedule, precision="fp64",
+                      steps=2, batch_size=microbatches, seq_len=6, n_layer=6, n_head=2, d_model=8, seed=13,
+                      quiet=True)
+    trainer, records = run_in_groups(cfg)
+    s = trainer.grid.pp_rank
+    assert records[-1]["comm"]["messages"] == (2 if s in (0, k - 1) else 4) * microbatches
+    assert records[-1]["pipeline"]["stage_peak_inflight"] == [2 * k + (schedule == "dualpipev")] * k
+
+
+@needs_world_size(8)
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule, model, changes", [
+    ("zb-v", "gpt", {"tp": 2}), ("dualpipev", "gpt", {"tp": 2}),
+    ("zb-v", "moe", {"dp": 2, "ep": 2, "zero": 1}), ("dualpipev", "moe", {"dp": 2, "ep": 2, "zero": 1})])
+def test_v_schedules_on_pp_4_with_tp_2_and_with_ep_2_and_zero_1(schedule, model, changes):
+    """pp 4 inside the layouts: tp 2 (GPT), and dp 2 with ZeRO-1 and ep 2 (MoE: experts sharded over
+    edp, the rest over dp); the single process's losses and weights, 1e-9."""
+    microbatches, dp = 8, changes.get("dp", 1)
+    cfg = TrainConfig(model=model, pp=4, microbatches=microbatches, schedule=schedule, precision="fp64",
+                      steps=2, batch_size=dp * microbatches, seq_len=6, n_layer=6, n_head=2, d_model=8,
+                      seed=17, quiet=True, **{"dp": 1, **changes})
+    _, records = run_in_groups(cfg)
+    dims = records[-1]["comm"]["by_dim"]
+    assert dims["pp"] > 0 and dims.get("tp" if "tp" in changes else "ep", 0) > 0, dims
+
+
+@needs_world_size(4)
+@pytest.mark.mpi
 @pytest.mark.parametrize("interleave", [True, False])
 def test_dualpipev_f_and_b_computes_one_part_while_the_others_all_to_all_is_in_flight(interleave):
     """DeepSeek-V3's overlap, read off the timing record: inside an F&B step (MoE, ep 2 in dp 2, pp 2)
