@@ -40,6 +40,10 @@ from minipar.distributed import collectives
 _here = threading.local()  # .part: (the Interleave, this thread's part's label) while a part runs
 
 
+class OtherPartFailed(RuntimeError):
+    """Raised in a part waiting for the turn when the other part has failed: it must not run on."""
+
+
 class Interleave:
     """Run the parts of one F&B step, handing the turn from one to the other at each all-to-all."""
 
@@ -50,6 +54,7 @@ class Interleave:
         self.modes: tuple = ()  # the modes the step began with (modes_now)
         self.running = ""  # the label of the part that holds the turn
         self.finished: set[str] = set()
+        self.broken = False  # a part failed: the other stops at its next wait for the turn
         self.exchanges: list[list] = []  # [part, posted, waited]: each all-to-all of the step
         self.away: list[list] = []  # [part, handed over, resumed]: each stretch a part gave the turn away
 
@@ -69,8 +74,12 @@ class Interleave:
         helper = threading.Thread(target=self.as_part, args=(second, run_second, failed),
                                   name=f"minipar-{second}", daemon=True)  # daemon: a failed job exits
         helper.start()
-        self.as_part(first, run_first)
-        helper.join()
+        try:
+            self.as_part(first, run_first)
+        except OtherPartFailed:
+            pass  # the second part failed: its error is raised below
+        finally:
+            helper.join()  # it holds no turn now: it runs to its end, or stops at its next wait
         if failed:
             raise failed[0]
 
@@ -78,11 +87,15 @@ class Interleave:
         """Run `part` as the part `label`: wait for its turn, run, and at its end give the turn away."""
         _here.part = (self, label)
         try:
-            with self.turn:
-                self.turn.wait_for(lambda: self.running == label or not self.enabled)
+            self.wait_for_turn(label)
             restore_modes(self.modes)
             part()
+        except OtherPartFailed:
+            if failed is None:
+                raise
         except BaseException as error:  # on the helper thread: handed to run(), which raises it
+            with self.turn:
+                self.broken = True
             if failed is None:
                 raise
             failed.append(error)
@@ -92,6 +105,13 @@ class Interleave:
                 self.finished.add(label)
                 self.running = self.other(label)
                 self.turn.notify_all()
+
+    def wait_for_turn(self, label: str) -> None:
+        """Wait (holding self.turn's lock, or taking it) until the part `label` has the turn."""
+        with self.turn:
+            self.turn.wait_for(lambda: self.running == label or self.broken or not self.enabled)
+            if self.broken:
+                raise OtherPartFailed(f"the other part of this F&B step failed; {label} stops")
 
     def other(self, label: str) -> str:
         """The other part's label."""
@@ -106,7 +126,7 @@ class Interleave:
             handed = time.perf_counter()
             self.running = self.other(label)
             self.turn.notify_all()
-            self.turn.wait_for(lambda: self.running == label)
+            self.wait_for_turn(label)
             self.away.append([label, handed, time.perf_counter()])
             restore_modes(modes)
 

@@ -70,6 +70,23 @@ def test_an_error_in_the_second_part_is_raised_by_run():
         interleave.run([("F", lambda: interleave.hand_over("F")), ("B", backward)])
 
 
+def test_an_error_in_the_first_part_is_raised_and_stops_the_second_at_its_next_hand_over():
+    interleave, log = Interleave(), []
+
+    def forward():
+        interleave.hand_over("F")
+        raise ValueError("in the forward")
+
+    def backward():
+        log.append("B0")
+        interleave.hand_over("B")
+        log.append("B1")  # must not run: the forward failed while B waited for the turn
+
+    with pytest.raises(ValueError, match="in the forward"):
+        interleave.run([("F", forward), ("B", backward)])
+    assert log == ["B0"]
+
+
 def test_a_part_computes_outside_the_stretches_it_handed_away():
     assert computed_between(0.0, 10.0, [(6.0, 8.0), (2.0, 3.0)]) == [(0.0, 2.0), (3.0, 6.0), (8.0, 10.0)]
     assert computed_between(0.0, 10.0, []) == [(0.0, 10.0)]
