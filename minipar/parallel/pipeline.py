@@ -15,7 +15,8 @@ The interleaved schedule gives each rank V chunks (`build_stage(..., virtual_sta
 drops to (K-1)/(VM+K-1) for V times the messages; ZB-H1 splits each backward into B (sent on at once)
 and W (the weight gradients, run later by the autograd engine's deferred calls) to fill the drain.
 ZB-V gives each rank two chunks placed as a V (rank s: virtual stages s and 2K-1-s), so the loss is
-computed on rank 0 and the forward turns back on rank K-1 without a message.
+computed on rank 0 and the forward turns back on rank K-1 without a message. DualPipeV's F&B steps run
+a forward and a backward as two parts that take turns at each MoE all-to-all (f_and_b.py).
 Lessons: lessons/06_pipeline.md, lessons/06b_pipeline_schedules.md.
 """
 
@@ -282,9 +283,7 @@ class PipelineRunner(Runner):
         return self.loss_sum
 
     def run_action(self, action: Action, xs, ys, scored_pieces, normaliser: int) -> None:
-        """One step of the schedule. An F&B (DualPipeV) posts the receives of both its parts before
-        either computes (unless --no-overlap), so the forward's input and the backward's gradient travel
-        together, and the forward's output is sent (not waited for) while the backward computes."""
+        """One step of the schedule: an F, a B or BW, a W, or DualPipeV's F&B (`overlapped_step`)."""
         if action.op == "F&B" and action.backward is not None:
             self.overlapped_step(action, xs, ys, scored_pieces, normaliser)
         elif action.op == "F":
