@@ -149,12 +149,25 @@ def assert_f_and_b_overlaps(timing, microbatches, overlap):
 
 @needs_world_size(4)
 @pytest.mark.mpi
+@pytest.mark.parametrize("zero", [0, 1, 2])
 @pytest.mark.parametrize("schedule, microbatches", [("zb-v", 3), ("dualpipev", 4)])
-def test_v_schedules_with_zero_1_on_dp_2_pp_2(schedule, microbatches):
-    cfg = TrainConfig(model="gpt", dp=2, pp=2, zero=1, microbatches=microbatches, schedule=schedule,
+def test_v_schedules_with_ddp_and_zero_on_dp_2_pp_2(schedule, microbatches, zero):
+    """dp 2 as DDP, ZeRO-1 and ZeRO-2, each to one process, and the dp bytes by hand (fp64, 8 bytes a
+    value; on 2 ranks a ring all-reduce of S bytes sends S, a reduce-scatter or an all-gather S/2).
+    DDP: S, all-reduced at the step. ZeRO-1: S/2 + S/2. ZeRO-2: each unit's gradients reduce-scattered
+    when backward has left it, W included, once per micro-batch (the embedding's, whose input needs no
+    gradient, once at the step), then the all-gather. A hook fired after B would send twice."""
+    cfg = TrainConfig(model="gpt", dp=2, pp=2, zero=zero, microbatches=microbatches, schedule=schedule,
                       precision="fp64", steps=2, batch_size=2 * microbatches, seq_len=6, n_layer=2, n_head=2,
                       d_model=8, seed=5, quiet=True)
-    run_in_groups(cfg)
+    trainer, records = run_in_groups(cfg)
+    sizes = {name: sum(p.data.size for p in unit.parameters()) for name, unit in trainer.engine.model.units()}
+    held = sum(sizes.values())
+    expected = 8 * held
+    if zero == 2:
+        sent = sum(size * (1 if name == "embed" else microbatches) for name, size in sizes.items())
+        expected = 8 * (sent // 2 + held // 2)
+    assert records[-1]["comm"]["by_dim"]["dp"] == expected, (records[-1]["comm"]["by_dim_op"]["dp"], sizes)
 
 
 @needs_world_size(4)
