@@ -4,10 +4,14 @@ The idea (DeepSeek-V3, section 3.2.1, figure 4): an F&B step runs the forward of
 one chunk and the whole backward of another micro-batch through the other chunk. The two share no data,
 so while one part waits for its expert all-to-all (dispatch or combine, forward or backward), the other
 part can compute. A GPU runs them on two streams; here each part runs on a thread of its own and a turn
-passes between them, so that exactly one part runs at any moment:
+passes between them, so that exactly one part runs at any moment. With one MoE layer in each chunk:
 
-    forward part   attention, router | post dispatch ->                    | wait, experts | post combine ->
-    backward part                    | (B's receive) combine's grad, ... ->  ...
+    turn 1  forward:   attention and router; post the dispatch all-to-all
+    turn 2  backward:  receive the gradient, back to the MoE layer; post its combine's all-to-all
+    turn 3  forward:   wait for the dispatch; the experts; post the combine
+    turn 4  backward:  wait; the experts' backward; post the dispatch's all-to-all
+    turn 5  forward:   wait for the combine; the rest of the chunk, done
+    then    backward:  wait; the rest of the chunk (the forward has finished: no turn to hand over)
 
 A part hands the turn to the other right after it has *posted* an all-to-all (`exchange`), and waits for
 it only when the turn comes back. So every computation runs exactly as it would one part after the other
@@ -19,6 +23,8 @@ What it saves: the all-to-all's time, hidden behind the other part's compute, wh
 data while the processor computes (MPICH moves it inside any MPI call, or all the time with its progress
 thread, MPIR_CVAR_ASYNC_PROGRESS=1). What it costs: nothing more sent; a thread per F&B step and two
 hand-overs per all-to-all. A part keeps its own autograd modes (no_grad, a rerun's) across a hand-over.
+MPI is called from two threads, never at once: MPI_THREAD_SERIALIZED is enough (mpi4py asks for
+MPI_THREAD_MULTIPLE). A part that fails stops the other at its next wait for the turn.
 `Interleave(enabled=False)` (--no-overlap) runs the parts one after the other on this thread, as the
 baseline, with the same record.
 
