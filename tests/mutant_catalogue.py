@@ -334,7 +334,7 @@ MUTANTS = [
     Mutant("gantt-f-and-b-stretches-read-as-actions", "minipar_lab/plot/gantt.py",
            "list(dict.fromkeys(label for label, _, _ in actions))", "[label for label, _, _ in actions]",
            tests=("tests/plot/test_figures.py",)),
-    Mutant("vshape-zero-2-hook-fires-at-b-not-after-w", "minipar/core/autograd.py",
+    Mutant("split-backward-zero-2-hook-fires-at-b-not-after-w", "minipar/core/autograd.py",
            "    if function.runs_after_weight_grads:  # an identity", "    if False:  # an identity",
            tests=("tests/parallel/test_pipeline_schedules.py",), ranks=(4,)),
     Mutant("vshape-simulate-backward-whole-in-the-v", "minipar/simulate/step.py",
