@@ -24,6 +24,18 @@ _grad_enabled = True
 _output_cast = None  # set by mixed precision: rounds every op's output and input-gradient
 
 
+def recording_modes() -> tuple:
+    """What `no_grad`, `enable_grad` and `cast_outputs` set, as one value. A part of an overlapped
+    pipeline step (parallel/overlap.py) that hands the processor to the other part in the middle of
+    its work keeps its own modes across the hand-over with this and `restore_recording_modes`."""
+    return _grad_enabled, _output_cast
+
+
+def restore_recording_modes(modes: tuple) -> None:
+    global _grad_enabled, _output_cast
+    _grad_enabled, _output_cast = modes
+
+
 class ActivationMeter:
     """Bytes of tensors saved for backward: current and peak since the last reset.
 

@@ -38,6 +38,17 @@ def recomputing() -> bool:
     return _rerunning > 0
 
 
+def rerun_depth() -> int:
+    """How many reruns are under way: with `restore_rerun_depth`, a part of an overlapped pipeline
+    step keeps its own across a hand-over to the other part (parallel/overlap.py)."""
+    return _rerunning
+
+
+def restore_rerun_depth(depth: int) -> None:
+    global _rerunning
+    _rerunning = depth
+
+
 @contextlib.contextmanager
 def rerunning():
     global _rerunning

@@ -206,6 +206,23 @@ class Comm:
 
         return PendingCollective(self, "all_gather", request, send, gathered, pending)
 
+    def iall_to_all(self, blocks) -> PendingCollective:
+        """Start collectives.all_to_all(self, blocks) without waiting (an overlapped F&B step's expert
+        dispatch, parallel/overlap.py): block s of `blocks` goes to rank s. Charged now as the blocking
+        one charges it, one message of a block to each other rank in the same order; `wait()` on the
+        result gives the received blocks, block r from rank r."""
+        send = _send_buffer(blocks)
+        if send.shape[0] != self.size:
+            raise ValueError(f"all_to_all needs {self.size} blocks (one per rank), got {send.shape[0]}")
+        received = _receive_buffer(send.shape, send.dtype)
+        request = self.mpi.Ialltoall(send, received)
+        pending = next(_PENDING_IDS)
+        for step in range(1, self.size):
+            dest = (self.rank + step) % self.size
+            self.ledger.charge(self.name, "all_to_all", send[dest].nbytes, 1, link=self.link_to(dest),
+                               pending=pending)
+        return PendingCollective(self, "all_to_all", request, send, lambda: _device(received), pending)
+
     def send(self, x, dest: int, tag: int = 0) -> None:
         """Blocking send of x to rank dest of this communicator."""
         buffer = _send_buffer(x)

@@ -30,6 +30,7 @@ from minipar.core.backend import xp_of
 from minipar.core.tensor_ops import linear_product
 from minipar.distributed import collectives
 from minipar.memory.ledger import buffer_meter
+from minipar.parallel import f_and_b
 
 # ---- the conjugate operators f and g ---------------------------------------------------------------
 
@@ -260,8 +261,8 @@ class AllToAll(Function):
     @staticmethod
     def forward(ctx, blocks, comm):
         ctx.comm = comm
-        return collectives.all_to_all(comm, blocks)
+        return f_and_b.exchange(comm, blocks)  # all_to_all; inside an F&B step, the other part runs meanwhile
 
     @staticmethod
     def backward(ctx, g):
-        return collectives.all_to_all(ctx.comm, g), None
+        return f_and_b.exchange(ctx.comm, g), None

@@ -15,7 +15,8 @@ The interleaved schedule gives each rank V chunks (`build_stage(..., virtual_sta
 drops to (K-1)/(VM+K-1) for V times the messages; ZB-H1 splits each backward into B (sent on at once)
 and W (the weight gradients, run later by the autograd engine's deferred calls) to fill the drain.
 ZB-V gives each rank two chunks placed as a V (rank s: virtual stages s and 2K-1-s), so the loss is
-computed on rank 0 and the forward turns back on rank K-1 without a message.
+computed on rank 0 and the forward turns back on rank K-1 without a message. DualPipeV's F&B steps run
+a forward and a backward as two parts that take turns at each MoE all-to-all (f_and_b.py).
 Lessons: lessons/06_pipeline.md, lessons/06b_pipeline_schedules.md.
 """
 
@@ -37,6 +38,7 @@ from minipar.core.hooks import HookList, RemovableHandle
 from minipar.core.nn import ModelOptions, Module
 from minipar.core.options import option
 from minipar.parallel.api import Runner, count_correct, own_pieces, split_scored
+from minipar.parallel.f_and_b import Interleave
 from minipar.parallel.schedules import (
     SCHEDULES,
     V_SHAPED,
@@ -212,6 +214,9 @@ class PipelineRunner(Runner):
         self.peak_held = 0  # this step's most (micro-batch, chunk) pairs held, from F to B (or to W)
         # F&B steps: [label, receives posted, backward's receive waited, whether it was posted (None: none)]
         self.overlaps: list[list] = []
+        # each all-to-all inside an F&B: [F&B label, its part's label, posted, waited] (f_and_b.py)
+        self.exchanges: list[list] = []
+        self.interleave: Interleave | None = None  # the F&B step running now, if any
         self.loss_sum = 0.0
         self.correct = 0  # this step's right predictions among the scored ones (last stage)
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
@@ -259,7 +264,7 @@ class PipelineRunner(Runner):
         self.in_flight, self.deferred, self.pending_sends, self.loss_sum = {}, {}, [], 0.0
         self.turn = {}
         self.peak_held = 0
-        self.overlaps = []
+        self.overlaps, self.exchanges = [], []
         self.correct = 0
         self.received_early = 0
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
@@ -278,19 +283,9 @@ class PipelineRunner(Runner):
         return self.loss_sum
 
     def run_action(self, action: Action, xs, ys, scored_pieces, normaliser: int) -> None:
-        """One step of the schedule. An F&B (DualPipeV) posts the receives of both its parts before
-        either computes (unless --no-overlap), so the forward's input and the backward's gradient travel
-        together, and the forward's output is sent (not waited for) while the backward computes."""
+        """One step of the schedule: an F, a B or BW, a W, or DualPipeV's F&B (`overlapped_step`)."""
         if action.op == "F&B" and action.backward is not None:
-            if self.early_receives:  # --no-overlap: the two parts one after the other, as a baseline
-                self.post_receive(action, xs)
-            posted = time.perf_counter() - self.step_started
-            wanted = self.receive_of(action.backward.parts()[0], xs)  # None: the loss's chunk starts it
-            in_flight = None if wanted is None or wanted[1] == self.rank else wanted[1:] in self.posted
-            self.run_action(Action("F", action.microbatch, action.chunk), xs, ys, scored_pieces, normaliser)
-            waited = time.perf_counter() - self.step_started  # the backward's receive is waited from here
-            self.run_action(action.backward, xs, ys, scored_pieces, normaliser)
-            self.overlaps.append([str(action), posted, waited, in_flight])
+            self.overlapped_step(action, xs, ys, scored_pieces, normaliser)
         elif action.op == "F":
             i = action.microbatch
             self.forward(action, xs[i], ys[i], scored_pieces[i], normaliser)
@@ -298,6 +293,37 @@ class PipelineRunner(Runner):
             self.backward(action)
         else:
             self.weight_gradients(action)
+
+    def overlapped_step(self, action: Action, xs, ys, scored_pieces, normaliser: int) -> None:
+        """DualPipeV's F&B: the receives of both parts posted before either computes, so the forward's
+        input and the backward's gradient travel together; then the two parts run as an Interleave
+        (f_and_b.py): the forward first, each part handing the other the turn as soon as it has posted
+        an all-to-all (MoE with --ep), so that one's all-to-all is in flight while the other computes.
+        The forward's output is sent, not waited for, while the backward computes. --no-overlap: no
+        early receive and the parts one after the other, the baseline."""
+        forward, backward = Action("F", action.microbatch, action.chunk), action.backward
+        assert backward is not None, "an F&B has its backward"
+        if self.early_receives:
+            self.post_receive(action, xs)
+        posted = time.perf_counter() - self.step_started
+        wanted = self.receive_of(backward.parts()[0], xs)  # None: the loss's chunk starts it
+        in_flight = None if wanted is None or wanted[1] == self.rank else wanted[1:] in self.posted
+        begun: list[float] = []  # when the backward part began, waiting first for its gradient
+
+        def run_backward():
+            begun.append(time.perf_counter() - self.step_started)
+            self.run_action(backward, xs, ys, scored_pieces, normaliser)
+
+        self.interleave = Interleave(enabled=self.early_receives)
+        try:
+            self.interleave.run([(str(forward), lambda: self.run_action(forward, xs, ys, scored_pieces,
+                                                                        normaliser)),
+                                 (str(backward), run_backward)])
+        finally:
+            exchanges, self.interleave = self.interleave.exchanges, None
+        self.overlaps.append([str(action), posted, begun[0], in_flight])
+        self.exchanges += [[str(action), part, sent - self.step_started, waited - self.step_started]
+                           for part, sent, waited in exchanges]
 
     def correct_count(self) -> int | None:
         return self.correct  # 0 but on the last stage, like the loss
@@ -402,9 +428,14 @@ class PipelineRunner(Runner):
         yield
         backend.current().sync()
         stopped = time.perf_counter()
-        self.compute_s[action.op] += stopped - started
-        self.action_times.append([str(action), started - self.step_started, stopped - self.step_started])
-        self.action_hooks.call_all(str(action), started, stopped)
+        label = str(action)
+        # inside an F&B step, the stretches this part handed to the other are not its compute
+        away = [] if self.interleave is None else [
+            (handed, resumed) for part, handed, resumed in self.interleave.away if part == label]
+        for start, stop in computed_between(started, stopped, away):
+            self.compute_s[action.op] += stop - start
+            self.action_times.append([label, start - self.step_started, stop - self.step_started])
+            self.action_hooks.call_all(label, start, stop)
 
     def record_timing(self, wall_s: float):
         """Gather every stage's compute time; bubble = idle share of stages x makespan (uncharged control).
@@ -417,14 +448,17 @@ class PipelineRunner(Runner):
         counted from its own start ("time_base" says which)."""
         backward_s = self.compute_s["B"] + self.compute_s["W"] + self.compute_s["BW"]
         mine = (self.compute_s["F"], backward_s, wall_s, self.action_times,
-                self.step_started, self.peak_held, self.overlaps)
-        forward, backward, own_walls, own_actions, starts, held, own_overlaps = zip(
+                self.step_started, self.peak_held, self.overlaps, self.exchanges)
+        forward, backward, own_walls, own_actions, starts, held, own_overlaps, own_exchanges = zip(
             *self.comm.allgather_obj(mine))
         nodes = self.comm.nodes  # the grid's: each member's MPI processor name (None: one node)
         shared = nodes is None or len(set(nodes)) == 1
         walls, actions = (from_the_first_start(starts, own_walls, own_actions) if shared
                           else (list(own_walls), list(own_actions)))
         overlaps = from_the_first_start(starts, own_walls, own_overlaps)[1] if shared else list(own_overlaps)
+        shifts = [start - min(starts) if shared else 0.0 for start in starts]
+        exchanges = [[[step, part, posted + shift, waited + shift] for step, part, posted, waited in stage]
+                     for stage, shift in zip(own_exchanges, shifts)]
         busy = [f + b for f, b in zip(forward, backward)]
         makespan = max(walls)
         self.last_timing = {
@@ -439,6 +473,7 @@ class PipelineRunner(Runner):
             "stage_action_times_s": actions,  # per stage: [label, start, stop] in seconds
             "stage_peak_inflight": list(held),  # per stage: (micro-batch, chunk) pairs held at most
             "stage_overlaps_s": overlaps,  # per stage, each F&B: [label, posted, waited, receive posted]
+            "stage_exchanges_s": exchanges,  # per stage, each F&B all-to-all: [F&B, part, posted, waited]
             "time_base": "shared" if shared else "per stage",
             "bubble_measured": 1.0 - sum(busy) / (self.stages * makespan),
             "bubble_formula": float(bubble_formula(self.stages, self.microbatches, self.virtual_stages,
@@ -448,6 +483,16 @@ class PipelineRunner(Runner):
                        "(K-1)/(3M+K-1)" if self.split_backward else
                        "(K-1)/(VM+K-1)" if self.virtual_stages > 1 else "(K-1)/(M+K-1)",
         }
+
+
+def computed_between(started: float, stopped: float, away: list[tuple[float, float]]) -> list[tuple]:
+    """The stretches of [started, stopped] outside the `away` ones (in order, each inside it)."""
+    stretches, begin = [], started
+    for handed, resumed in sorted(away):
+        if started <= handed and resumed <= stopped:
+            stretches.append((begin, handed))
+            begin = resumed
+    return [*stretches, (begin, stopped)]
 
 
 def from_the_first_start(starts, walls, actions) -> tuple[list, list]:

@@ -289,6 +289,10 @@ def schedule_main(argv: list[str]) -> int:
             "forward_cost": 1,
             "backward_cost": _json_number(args.backward_cost),
             **({"weight_cost": _json_number(args.weight_cost)} if split else {}),
+            # a stage's F&B step, as simulate priced it: --overlap-cost, or F + B + W (no gain)
+            **({"overlap_cost": _json_number(schedules.action_costs(
+                1, args.backward_cost, args.weight_cost, overlap_cost=args.overlap_cost)["F&B"])}
+               if args.schedule == "dualpipev" else {}),
             "makespan": _json_number(timeline.makespan),
             "slot": _json_number(timeline.slot),
             "bubble_fraction": float(bubble),

@@ -67,7 +67,8 @@ def pipeline_records(stages: int, schedule: str, microbatches: int, steps: int) 
 def schedule_of(timing: dict) -> tuple[str, int]:
     """(schedule, V) whose per-stage action lists the measured step ran, read off the labels: the
     first of SCHEDULES that gives the same lists (at M = 1 GPipe and 1F1B are naive's)."""
-    labels = [[label for label, _, _ in actions] for actions in timing["stage_action_times_s"]]
+    # an F&B's parts handing each other the turn (MoE with ep) are timed in stretches: each label once
+    labels = [list(dict.fromkeys(label for label, _, _ in actions)) for actions in timing["stage_action_times_s"]]
     chunks = {label.split(".")[1] for row in labels for label in row if "." in label}
     virtual = max(1, len(chunks))
     for name in SCHEDULES:
@@ -129,7 +130,8 @@ def draw(args, path: Path) -> None:
     timeline = simulate(table, forward_cost=1, backward_cost=backward, placement=placement_of(schedule))
     simulated = simulated_bars(timeline)
     plt = canvas.pyplot()
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.2 + 1.1 * stages))
+    widest = max(len(actions) for actions in table)  # room for each label: 48 actions a rank in zb-v, K=4, M=8
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(max(10, widest / 3), 1.2 + 1.1 * stages))
     draw_bars(top, measured, stages, scale=1e3)
     clock = "one clock" if timing.get("time_base") == "shared" else "each rank's clock"  # older logs: own
     top.set(xlabel="ms from the step's start", title=f"measured: {schedule}, K={stages}, M={microbatches}, "

@@ -16,7 +16,7 @@ from pathlib import Path
 from minipar.trainer.arguments import OneLineParser, fail
 from minipar_lab.bench import canvas
 
-FIGURES = ("loss", "gantt", "bubble", "zero", "allreduce", "offload", "roofline",  # drawn here
+FIGURES = ("loss", "gantt", "gantt_v", "bubble", "zero", "allreduce", "offload", "roofline",  # drawn here
            "trace", "precision", "context", "simulate")  # drawn by a benchmark's own --plot
 
 

@@ -275,3 +275,25 @@ def test_ring_collectives_and_all_to_all_charge_the_link_they_send_on(rings):
         if (by_link["intra"], by_link["inter"]) != expected:
             wrong.append(("all_to_all", nodes_here, by_link, f"expected (intra, inter) = {expected}"))
     assert wrong == []
+
+
+@mpi_test
+def test_iall_to_all_delivers_and_charges_what_all_to_all_does(rings):
+    """The non-blocking all-to-all of an overlapped F&B step (parallel/f_and_b.py): block s of rank r's
+    buffer (filled with 10r + s) lands as block r on rank s, and the ledger's bytes, messages and links
+    are the blocking one's, with rank n-1 on a node of its own."""
+    group = rings["group"]
+    n = group.size
+    nodes = ["a"] * (n - 1) + ["b"] if n > 1 else ["a"]
+    blocks = numpy.array([[10.0 * group.rank + s] * 4 for s in range(n)])
+    expected = numpy.array([[10.0 * r + group.rank] * 4 for r in range(n)])
+    wrong, charged = [], []
+    for name, exchange in (("all_to_all", lambda c: all_to_all(c, blocks)),
+                           ("iall_to_all", lambda c: c.iall_to_all(blocks).wait())):
+        placed = Comm(group.mpi, name="group", ledger=TrafficLedger(), nodes=nodes)
+        received = exchange(placed)
+        if not numpy.array_equal(received, expected):
+            wrong.append((name, received[:, 0]))
+        charged.append((placed.ledger.step_report()["by_dim_op"], placed.ledger.step_report()["messages"],
+                        placed.ledger.step_links()["by_link"]))
+    assert wrong == [] and charged[0] == charged[1], (wrong, charged)

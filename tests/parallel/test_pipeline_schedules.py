@@ -9,6 +9,7 @@ activation forward from each chunk but the very last, and one gradient back from
 """
 
 import mpi_harness
+import numpy as np
 import pytest
 from hypothesis import strategies as st
 from mpi4py import MPI
@@ -149,12 +150,25 @@ def assert_f_and_b_overlaps(timing, microbatches, overlap):
 
 @needs_world_size(4)
 @pytest.mark.mpi
+@pytest.mark.parametrize("zero", [0, 1, 2])
 @pytest.mark.parametrize("schedule, microbatches", [("zb-v", 3), ("dualpipev", 4)])
-def test_v_schedules_with_zero_1_on_dp_2_pp_2(schedule, microbatches):
-    cfg = TrainConfig(model="gpt", dp=2, pp=2, zero=1, microbatches=microbatches, schedule=schedule,
+def test_v_schedules_with_ddp_and_zero_on_dp_2_pp_2(schedule, microbatches, zero):
+    """dp 2 as DDP, ZeRO-1 and ZeRO-2, each to one process, and the dp bytes by hand (fp64, 8 bytes a
+    value; on 2 ranks a ring all-reduce of S bytes sends S, a reduce-scatter or an all-gather S/2).
+    DDP: S, all-reduced at the step. ZeRO-1: S/2 + S/2. ZeRO-2: each unit's gradients reduce-scattered
+    when backward has left it, W included, once per micro-batch (the embedding's, whose input needs no
+    gradient, once at the step), then the all-gather. A hook fired after B would send twice."""
+    cfg = TrainConfig(model="gpt", dp=2, pp=2, zero=zero, microbatches=microbatches, schedule=schedule,
                       precision="fp64", steps=2, batch_size=2 * microbatches, seq_len=6, n_layer=2, n_head=2,
                       d_model=8, seed=5, quiet=True)
-    run_in_groups(cfg)
+    trainer, records = run_in_groups(cfg)
+    sizes = {name: sum(p.data.size for p in unit.parameters()) for name, unit in trainer.engine.model.units()}
+    held = sum(sizes.values())
+    expected = 8 * held
+    if zero == 2:
+        sent = sum(size * (1 if name == "embed" else microbatches) for name, size in sizes.items())
+        expected = 8 * (sent // 2 + held // 2)
+    assert records[-1]["comm"]["by_dim"]["dp"] == expected, (records[-1]["comm"]["by_dim_op"]["dp"], sizes)
 
 
 @needs_world_size(4)
@@ -175,6 +189,81 @@ def test_v_schedules_with_tp_2_and_with_ep_2(schedule, model, changes):
     _, records = run_in_groups(cfg)
     dims = records[-1]["comm"]["by_dim"]
     assert dims["pp"] > 0 and dims.get("tp" if "tp" in changes else "ep", 0) > 0, dims
+
+
+@needs_world_size(4)
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule, model", [("zb-v", "gpt"), ("dualpipev", "gpt"), ("zb-v", "moe"),
+                                             ("dualpipev", "moe")])
+def test_v_schedules_on_pp_4(schedule, model):
+    """K = 4: 8 chunks, M = 2K = 8. Messages by hand: chunk 0 of rank s sends activations to s+1 and
+    gradients to s-1, chunk 1 the other way; the loss on rank 0 and the turn of the V on rank K-1 send
+    nothing, so the two end ranks send 2M and the two middle ones 4M. Peaks: 2K pairs (ZB-V), 2K + 1
+    (DualPipeV, the DualPipe README's PP + 1)."""
+    k, microbatches = 4, 8
+    cfg = TrainConfig(model=model, dp=1, pp=k, microbatches=microbatches, schedule=schedule, precision="fp64",
+                      steps=2, batch_size=microbatches, seq_len=6, n_layer=6, n_head=2, d_model=8, seed=13,
+                      quiet=True)
+    trainer, records = run_in_groups(cfg)
+    s = trainer.grid.pp_rank
+    assert records[-1]["comm"]["messages"] == (2 if s in (0, k - 1) else 4) * microbatches
+    assert records[-1]["pipeline"]["stage_peak_inflight"] == [2 * k + (schedule == "dualpipev")] * k
+
+
+@needs_world_size(8)
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule, model, changes", [
+    ("zb-v", "gpt", {"tp": 2}), ("dualpipev", "gpt", {"tp": 2}),
+    ("zb-v", "moe", {"dp": 2, "ep": 2, "zero": 1}), ("dualpipev", "moe", {"dp": 2, "ep": 2, "zero": 1})])
+def test_v_schedules_on_pp_4_with_tp_2_and_with_ep_2_and_zero_1(schedule, model, changes):
+    """pp 4 inside the layouts: tp 2 (GPT), and dp 2 with ZeRO-1 and ep 2 (MoE: experts sharded over
+    edp, the rest over dp); the single process's losses and weights, 1e-9."""
+    microbatches, dp = 8, changes.get("dp", 1)
+    cfg = TrainConfig(model=model, pp=4, microbatches=microbatches, schedule=schedule, precision="fp64",
+                      steps=2, batch_size=dp * microbatches, seq_len=6, n_layer=6, n_head=2, d_model=8,
+                      seed=17, quiet=True, **{"dp": 1, **changes})
+    trainer, records = run_in_groups(cfg)
+    dims = records[-1]["comm"]["by_dim"]
+    # 8 units for 8 chunks: rank 0 holds the embedding and the head, so only the others hold experts
+    experts = any(".experts." in name for name, _ in trainer.engine.model.named_parameters())
+    sends = dims.get("tp", 0) > 0 if "tp" in changes else (dims.get("ep", 0) > 0) == experts
+    assert dims["pp"] > 0 and sends, dims
+
+
+@needs_world_size(4)
+@pytest.mark.mpi
+def test_dualpipev_f_and_b_computes_one_part_while_the_others_all_to_all_is_in_flight():
+    """DeepSeek-V3's overlap, read off the timing record: inside an F&B step (MoE, ep 2 in dp 2, pp 2)
+    each part's first expert all-to-all is posted, then the other part computes (one of its compute
+    stretches starts), and only then is the all-to-all waited for. With the turns off (--no-overlap)
+    every all-to-all is waited at once, so the same check cannot pass. Both are exact to one process,
+    and bit for bit the same: the turns move only the waits."""
+    microbatches = 4
+    cfg = TrainConfig(model="moe", dp=2, ep=2, pp=2, microbatches=microbatches, schedule="dualpipev",
+                      precision="fp64", steps=2, batch_size=2 * microbatches, seq_len=6, n_layer=4, n_head=2,
+                      d_model=8, seed=7, quiet=True)
+    runs = {}
+    for interleave in (True, False):
+        trainer, records = run_in_groups(cfg.replace(no_overlap=not interleave))
+        weights = {name: p.data.copy() for name, p in trainer.engine.model.named_parameters()}
+        runs[interleave] = [record["loss"] for record in records], weights
+        assert_all_to_alls_hidden(records[-1]["pipeline"], microbatches, interleave)
+    (losses, weights), (plain_losses, plain_weights) = runs[True], runs[False]
+    assert losses == plain_losses and all(np.array_equal(weights[n], plain_weights[n]) for n in weights)
+
+
+def assert_all_to_alls_hidden(timing, microbatches, hidden_expected):
+    for rank, exchanges in enumerate(timing["stage_exchanges_s"]):
+        stretches = timing["stage_action_times_s"][rank]
+        steps = {step for step, *_ in exchanges}
+        # rank s's F&B steps (see assert_f_and_b_overlaps); each part's chunk holds an MoE block here
+        assert len(steps) == 2 * (microbatches - 4 + rank + 1) + (1 - rank) - (rank == 1), steps
+        for step in steps:
+            forward, backward = step.split("&")
+            for part, other in ((forward, backward), (backward, forward)):
+                posted, waited = next((p, w) for s, q, p, w in exchanges if (s, q) == (step, part))
+                hidden = any(label == other and posted <= start <= waited for label, start, _ in stretches)
+                assert hidden is hidden_expected, (rank, step, part, posted, waited)
 
 
 def test_v_stage_holds_chunks_s_and_2k_minus_1_minus_s():

@@ -235,6 +235,27 @@ def test_dualpipev_f_and_b_waits_for_both_inputs():
     assert dependencies(1, step, 2, 2, "v") == [(0, F(3, 0)), (1, F(1, 1)), (0, B(1, 1))]
 
 
+@pytest.mark.parametrize("extra, expected", [
+    ([], 3), (["--backward-cost", "2", "--weight-cost", "1/2"], 7 / 2), (["--overlap-cost", "5/2"], 5 / 2)])
+def test_cli_json_reports_the_f_and_b_cost_it_simulated(capsys, extra, expected):
+    """overlap_cost: a stage's F&B, F + B + W unless --overlap-cost says otherwise. With it (K = 2,
+    M = 4, F = B = W = 1 a stage), the makespan is the busiest rank's work, 6M stage units less what
+    its 3 F&B steps gain, plus the DualPipe README's (K-1)(F&B + B - 3W), B the whole backward (2),
+    both halved: a chunk is half a stage."""
+    argv = ["--stages", "2", "--microbatches", "4", "--schedule", "dualpipev", "--json", *extra]
+    assert schedule_main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["overlap_cost"] == expected
+    if extra[:1] == ["--overlap-cost"]:  # 3 F&B steps on rank 0 (DualPipeV's order above), each 1/2 cheaper
+        busiest = (6 * 4 - 3 * (3 - expected)) / 2
+        assert report["makespan"] == busiest + (2 - 1) * (expected + 2 - 3 * 1) / 2
+
+
+def test_cli_json_reports_no_overlap_cost_without_f_and_b_steps(capsys):
+    assert schedule_main(["--stages", "2", "--microbatches", "4", "--schedule", "zb-v", "--json"]) == 0
+    assert "overlap_cost" not in json.loads(capsys.readouterr().out)
+
+
 def test_cli_refuses_dualpipev_with_few_microbatches(capsys):
     assert schedule_main(["--stages", "4", "--microbatches", "7", "--schedule", "dualpipev"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -179,6 +179,11 @@ def test_the_schedule_is_read_off_the_measured_actions(schedule, microbatches, v
               "stage_action_times_s": [[[label, 0.0, 0.0] for a in actions for label in str(a).split("&")]
                                        for actions in table]}
     assert gantt.schedule_of(timing) == (schedule, virtual)
+    if schedule == "dualpipev":  # with MoE and ep the two parts take turns: each timed in stretches
+        interleaved = [[[label, 0.0, 0.0] for a in actions
+                        for label in (str(a).split("&") * 2 if a.backward is not None else [str(a)])]
+                       for actions in table]
+        assert gantt.schedule_of({**timing, "stage_action_times_s": interleaved}) == (schedule, virtual)
     timing["stage_action_times_s"][0].reverse()
     with pytest.raises(ValueError, match="no schedule"):
         gantt.schedule_of(timing)
