@@ -28,7 +28,6 @@ import contextlib
 from minipar.core.autograd import Function
 from minipar.core.backend import xp_of
 from minipar.core.tensor_ops import linear_product
-from minipar.distributed import collectives
 from minipar.memory.ledger import buffer_meter
 from minipar.parallel import f_and_b
 
