@@ -91,6 +91,7 @@ class Recorder:
         self.events: list[dict] = []
         self.open_waits: list[dict] = []  # watched waits begun and not yet ended (innermost last)
         self.memory: dict[str, int] = {}  # the last value of each counter: only changes are recorded
+        self.actions_this_step: set[str] = set()  # labels begun in this step's schedule (F&B stretches)
         # Each counter change: nine events in ten are these, one per saved activation, so they go into
         # flat arrays (seconds, category's index, bytes), which allocate no object the garbage collector
         # must visit (a dict or a tuple each would, and make it run about once a step), and become events
@@ -146,9 +147,13 @@ class Recorder:
 
     # ---- the other hooks ----
     def action(self, label: str, started: float, stopped: float) -> None:
-        if label == SCHEDULE:  # the stage's whole schedule: what the bubble is measured over
+        if label == SCHEDULE:  # the stage's whole schedule, after its actions: what the bubble is over
             self.span(COMPUTE, "pipeline schedule", started, stopped, "schedule")
+            self.actions_this_step.clear()
+        elif label in self.actions_this_step:  # a later stretch of an action an F&B step interleaved
+            self.span(COMPUTE, label, started, stopped, "action", {"op": label[0], "continues": True})
         else:
+            self.actions_this_step.add(label)
             self.span(COMPUTE, label, started, stopped, "action", {"op": label[0]})
 
     def phase(self, name: str, started: float, stopped: float) -> None:

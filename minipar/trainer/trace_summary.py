@@ -160,8 +160,8 @@ def _add(rank: dict, event: dict) -> None:
             rank["seconds"]["step"] += seconds
         elif cat == "phase":
             rank["seconds"][event["name"]] += seconds
-        elif cat == "action":
-            rank["actions"][args["op"]] += 1
+        elif cat == "action":  # an action an F&B step interleaved is several spans, counted once
+            rank["actions"][args["op"]] += 0 if args.get("continues") else 1
             rank["seconds"][args["op"]] += seconds
         elif cat == "comm":
             rank["seconds"]["comm_wait"] += seconds

@@ -20,11 +20,12 @@ from mpi_harness import mpi_test, needs_world_size
 
 from minipar.distributed import watchdog
 from minipar.memory.offload import move_meter
+from minipar.parallel.pipeline import SCHEDULE
 from minipar.parallel.schedules import build_schedule
 from minipar.trainer import loop as train
 from minipar.trainer import trace_summary
 from minipar.trainer.config import TrainConfig
-from minipar.trainer.trace import MARKER, TRACE_FILE, clock_offset
+from minipar.trainer.trace import MARKER, TRACE_FILE, Recorder, clock_offset
 from minipar.trainer.trace_summary import format_problems, summary
 from minipar.trainer.validate import validate
 
@@ -324,3 +325,21 @@ def test_a_stopped_trace_records_nothing_until_it_listens_again(tmp_path):
     assert steps == ["step 0", "step 2"]
     trainer.trace.stop()
     trainer.memory.close()
+
+
+def test_an_action_in_stretches_is_one_action_and_all_its_time():
+    """Inside a DualPipeV F&B step a part hands the turn to the other while its all-to-all is in flight,
+    so the runner reports one action as several stretches (pipeline.py's computing): the trace keeps
+    each stretch as a span, marks the later ones as continuing, and the summary counts the action once
+    and every stretch's time; a new step's schedule starts the count again."""
+    recorder = Recorder()
+    for label, started, stopped in [("F1", 0.0, 0.001), ("B0", 0.001, 0.003), ("F1", 0.003, 0.004),
+                                    (SCHEDULE, 0.0, 0.005), ("F1", 0.006, 0.007), (SCHEDULE, 0.006, 0.008)]:
+        recorder.action(label, started, stopped)
+    spans = [e for e in recorder.events if e["cat"] == "action"]
+    assert [e["args"].get("continues", False) for e in spans] == [False, False, True, False]
+    events = [{**e, "ts": round(e["t"] * 1e6), "dur": round((e["end"] - e["t"]) * 1e6), "pid": 0}
+              for e in recorder.events]
+    mine = summary({"traceEvents": named((0, 0)) + events})["ranks"][0]
+    assert mine["actions"] == {"F": 2, "B": 1}
+    assert mine["seconds"]["F"] == pytest.approx(0.003) and mine["seconds"]["B"] == pytest.approx(0.002)
