@@ -365,6 +365,15 @@ MUTANTS = [
            "        for comm in self.shared:\n            amax = comm.all_reduce(amax, op=\"max\")",
            "        for comm in self.shared[:1]:\n            amax = comm.all_reduce(amax, op=\"max\")",
            tests=(FP8_LAYOUT_TESTS,), ranks=(8,)),  # dp and tp both above 1: 8 ranks, dp x tp x pp
+    Mutant("fp8-amax-history-not-loaded", "minipar/checkpoint/sharded.py",
+           '    fp8.load_amax_history(engine.runner, manifest.get("fp8_amax_history"))\n',
+           "    pass  # the history starts anew\n", tests=("tests/checkpoint/test_checkpoint.py",)),
+    Mutant("fp8-amax-history-loaded-after-zero3-quantized-the-shards", "minipar/checkpoint/sharded.py",
+           '    fp8.load_amax_history(engine.runner, manifest.get("fp8_amax_history"))\n    try:\n'
+           "        engine.updater.load_logical(state)\n",
+           "    try:\n        engine.updater.load_logical(state)\n"
+           '        fp8.load_amax_history(engine.runner, manifest.get("fp8_amax_history"))\n',
+           tests=("tests/checkpoint/test_checkpoint.py",), ranks=(2,)),
     Mutant("scaler-overflow-keeps-growth-count", "minipar/precision/formats.py",
            "            self._scale *= self._backoff_factor\n            self._growth_tracker = 0\n",
            "            self._scale *= self._backoff_factor\n",

@@ -31,6 +31,8 @@ parameter a rank holds 2/N bytes of 16-bit shard, 4/N of fp32 gradients and 4/N 
 optimizer states (the planner's formula with p = 2, g = 4 and the master counted in K), and the ledger
 counts a gathered unit at 2 bytes per value: what came over the wire, and what a device would hold
 (NumPy computes from its decoding into float32 arrays, as it holds every 16-bit value).
+In FP8 (precision/fp8_zero3.py, a subclass) the FP8 Linear weights travel as 1-byte values plus their
+scales, each rank's message a different size (`gathered_counts`).
 Lesson: lessons/04_zero.md.
 """
 

@@ -17,8 +17,10 @@ Forward operands are E4M3; gradients E5M2 for the per-tensor recipes (HYBRID), E
 Everything else stays in the run's dtype: the master weights and optimizer (fp32, as bf16's mixed
 precision keeps them), embeddings, the output head, LayerNorm, the attention core and the loss.
 With `--fp8-accumulate fp64` the products add in fp64: layouts then compare with one process to 1e-9.
-The amax history is not part of a checkpoint: a resumed delayed run starts a new history (scale 1 for
-its first step), as a run resumed in another precision does.
+Under ZeRO-3 the weights arrive quantized already (fp8_zero3.py gathers them in FP8: `Prequantized`,
+the bits quantizing the gathered weight would give), and the products use them as they are.
+A checkpoint keeps the amax history by layer name (`amax_history`, checkpoint/sharded.py's manifest),
+so a resumed delayed run, in any layout, continues it and trains as the uninterrupted run.
 
 What it saves: on hardware, a quarter of fp32's bytes per GEMM operand and twice bf16's matrix rate;
 here the values are FP8's in fp32 arrays, so only the arithmetic's result is FP8's, not its speed.
@@ -105,7 +107,8 @@ def block_product(qa, a_inv, qb, b_inv, n: int):
 @dataclass
 class Prequantized:
     """A Linear weight (out, in) quantized before ZeRO-3 gathered it (fp8_zero3.py): its E4M3 values
-    (unscaled: in the run's dtype) and its scale (per tensor) or each n x n block's 1/scale (block)."""
+    (the weight times its scale, rounded; held in the run's dtype) and its scale (per tensor) or each
+    n x n block's 1/scale (block)."""
     values: np.ndarray
     scale: float = 1.0
     inverse: np.ndarray | None = None
@@ -219,6 +222,8 @@ class FP8Products:
         self.scaling = PerTensorScaling(delayed=options.fp8_recipe == "delayed")
         self.layer: int | None = None
         self.layer_of = {id(m.weight): i for i, m in enumerate(fp8_linears(model))}  # weight -> its layer
+        named = {id(p): name for name, p in model.named_parameters()}  # the logical names of any layout
+        self.names = [named[id(m.weight)].removesuffix(".weight") for m in fp8_linears(model)]
         self.prequantized: dict[int, Prequantized] = {}  # layer -> its weight as ZeRO-3 gathered it
         self.handles = []
         for index, module in enumerate(fp8_linears(model)):
@@ -260,6 +265,26 @@ class FP8Runner(RunnerWrapper):
         for comm in self.shared:
             amax = comm.all_reduce(amax, op="max")
         return amax
+
+
+def amax_history(runner) -> dict:
+    """The delayed recipe's amax history for a checkpoint: {layer name: {tensor: [amax, ...]}}, the
+    names the logical ones ("blocks.1.mlp.fc"), so that any layout resumes it; {} otherwise."""
+    if not isinstance(runner, FP8Runner) or not runner.products.scaling.delayed:
+        return {}
+    names, saved = runner.products.names, {}
+    for (layer, tensor), past in runner.products.scaling.history.items():
+        saved.setdefault(names[layer], {})[tensor] = list(past)
+    return saved
+
+
+def load_amax_history(runner, saved: dict | None) -> None:
+    """Continue the history a checkpoint saved, for the layers this rank holds (none saved: a new one)."""
+    if not isinstance(runner, FP8Runner) or not runner.products.scaling.delayed or not saved:
+        return
+    runner.products.scaling.history = {(layer, tensor): [float(a) for a in past]
+                                       for layer, name in enumerate(runner.products.names)
+                                       for tensor, past in saved.get(name, {}).items()}
 
 
 def products_of(options: FP8Options, precision: str, model) -> FP8Products | None:
