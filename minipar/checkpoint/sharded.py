@@ -30,12 +30,13 @@ once one small collective says every rank's writer is done; at most one save is 
 the step time of the writing (not of the copy), and costs a copy of the pieces in memory meanwhile.
 
 What is saved: the parameters and optimizer states, the optimizer's step count, the loss scaler (fp16),
-FP8's delayed amax history (by layer name, in the manifest) and the step. The step is also the data position and the random state: a batch is a pure function of
-(seed, step), and training draws no other random numbers (dropout is 0), so the seed and the step
-restore every generator. What it costs: one read of every piece a rank needs, and at load time every
-rank reads the manifest and checks every file's size and SHA-256 before any collective, so a bad
-checkpoint is one error on every rank, not a hang. Every rank must see DIR (one machine, or a shared
-file system), as with PyTorch's distributed checkpoints.
+FP8's delayed amax history (by layer name, in the manifest) and the step. The step is also the data
+position and the random state: a batch is a pure function of (seed, step), and training draws no other
+random numbers (dropout is 0), so the seed and the step restore every generator. What it costs: one
+read of every piece a rank needs, and at load time every rank reads the manifest and checks every
+file's size and SHA-256 before any collective, so a bad checkpoint is one error on every rank, not a
+hang. Every rank must see DIR (one machine, or a shared file system), as with PyTorch's distributed
+checkpoints.
 
 What it needs of a run: the engine (trainer/engine.py: its cfg, grid.world, model, updater and
 loss_scaler); the updater answers `checkpoint_pieces` and `load_logical` (parallel/api.py). The model
@@ -94,6 +95,7 @@ def save(directory, engine, step: int, keep: int = 1) -> None:
             if piece.full_shape != ()}  # counts (AdamW's step) go into the manifest
     counts = {name: {kind: int(count) for kind, (piece, count) in kinds.items() if piece.full_shape == ()}
               for name, kinds in held.items()}
+    history = amax_history(engine)  # fp8: the delayed scales' history, every stage's layers (a collective)
     earlier = set().union(*world.allgather_obj(keys)[: world.rank])  # held by a lower rank: it writes them
     mine = sorted(keys - earlier, key=lambda key: key[:2])
     file = written = None
@@ -104,7 +106,6 @@ def save(directory, engine, step: int, keep: int = 1) -> None:
         written, problem = _attempt(write_npz, directory / file, arrays, world.rank)
     # a full disk on any rank: every rank learns it here, none waits, the last manifest stays as it was
     files = world.gather_obj((file, *written, mine, counts) if problem is None else problem)
-    history = amax_history(engine)
     if world.rank == 0:
         problem = next((entry for entry in files if isinstance(entry, str)), None)
         if problem is None:
