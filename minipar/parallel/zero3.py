@@ -148,14 +148,10 @@ class ZeroStage3(ZeroStage2):
         if unit.flat is None:
             return
         buffer_meter.release(self.gathered_nbytes(unit))
-        self.released(unit)
         unit.flat = None
         for p in unit.params:
             p.data = unit.freed
         # end exercise
-
-    def released(self, unit) -> None:
-        """A unit's whole parameters are dropped (precision/fp8_zero3.py drops its FP8 weights too)."""
 
     def reduce_scatter_grads(self, unit):
         super().reduce_scatter_grads(unit)

@@ -245,9 +245,11 @@ class FP8ZeroStage3(ZeroStage3):
             self.products.prequantized[weight.layer] = given
         return flat
 
-    def released(self, unit) -> None:
+    def release_params(self, unit):
+        """Drop the unit's whole parameters, and its FP8 weights handed to the Linear layers with them."""
         for weight in self.plan(unit).weights:
             self.products.prequantized.pop(weight.layer, None)
+        super().release_params(unit)
 
     # ---- memory: the master shard is optimizer state, the message the parameters kept ----
 
