@@ -1,10 +1,12 @@
 """FP8 keeps the exactness contract: with fp64 accumulation (`--fp8-accumulate fp64`), an FP8 run on
-dp 2 (ZeRO 0, 1, 3), tp 2 or pp 2 equals the FP8 run on one process to 1e-9, for the delayed
+dp 2 (ZeRO 0, 1, 3), tp 2 or pp 2, and on 8 ranks dp 2 x tp 2 x pp 2 with ZeRO-1 or ZeRO-3, equals
+the FP8 run on one process to 1e-9, for the delayed
 per-tensor recipe (its amaxes agreed across the ranks that share a tensor, after each step) and for
 block scaling (tiles that hold the same values in every layout); and the delayed recipe's amax
 agreement costs exactly one ring all-reduce of one fp64 per scaled tensor per step.
 
     OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python -m pytest -m mpi -q tests/precision/test_fp8_layouts.py
+    OPENBLAS_NUM_THREADS=1 mpiexec -n 8 python -m pytest -m mpi -q tests/precision/test_fp8_layouts.py
 """
 
 from __future__ import annotations
