@@ -37,9 +37,10 @@ def cast(x):
 
 
 def tiny(recipe: str, accumulate: str = "fp64", steps: int = 2, seed: int = 0) -> TrainConfig:
-    """dp 2, ZeRO-3: a block's 12,704 values cut at 6,352, inside mlp.fc.weight (128 x 32) at its row
-    62.5, so block scaling (N = 16) has blocks on one rank and blocks cut between the two, and current
-    scaling weights held whole by rank 0 (query, key, value, proj), one cut (fc) and one whole on rank 1."""
+    """dp 2, ZeRO-3: a block's 12,672 values cut at 6,336: rank 0 holds ln_1, query, key, value, proj,
+    ln_2 (4,320 values) and the first 2,016 of mlp.fc.weight (128 x 32), rows 0-62. So block scaling
+    (N = 16) has blocks held whole and blocks cut (rows 48-63), and current scaling weights held whole
+    by rank 0 (query, key, value, proj) and by rank 1 (mlp.proj) and one cut (mlp.fc)."""
     return TrainConfig(model="gpt", precision="fp8", fp8_accumulate=accumulate, fp8_recipe=recipe,
                        fp8_block=N,
                        n_layer=2, n_head=2, d_model=32, seq_len=8, batch_size=4, steps=steps, quiet=True,
@@ -136,10 +137,12 @@ def groups(shape, offset: int, recipe: str) -> list[tuple[int, int]]:
     return []
 
 
-def unit_layout(params: list[tuple], recipe: str, itemsize: int, size: int) -> tuple[list[int], int]:
+def unit_layout(params: list[tuple], recipe: str, itemsize: int, size: int,
+                weight_bytes: int = 1) -> tuple[list[int], int]:
     """A unit of `params` (name, shape), in order, on `size` ranks: each rank's message, its shard of
-    the flat buffer (padded to a multiple of `size`) at 1 byte an FP8 weight value and `itemsize` any
-    other, plus 8 bytes a scale group it holds whole; and the number of groups no rank holds whole."""
+    the flat buffer (padded to a multiple of `size`) at `weight_bytes` an FP8 weight value and
+    `itemsize` any other, plus 8 bytes a scale group it holds whole; and the number of groups no rank
+    holds whole."""
     numel = sum(int(np.prod(shape)) for _, shape in params)
     per_rank = -(-numel // size)
     bounds = [(rank * per_rank, (rank + 1) * per_rank) for rank in range(size)]
@@ -155,7 +158,7 @@ def unit_layout(params: list[tuple], recipe: str, itemsize: int, size: int) -> t
                 for rank in holders:
                     whole[rank] += 1
         offset += numel_here
-    messages = [v + (per_rank - v) * itemsize + 8 * w for v, w in zip(fp8_values, whole)]
+    messages = [v * weight_bytes + (per_rank - v) * itemsize + 8 * w for v, w in zip(fp8_values, whole)]
     return messages, cut
 
 
@@ -184,6 +187,24 @@ def test_the_all_gather_sends_a_byte_a_fp8_weight_value_plus_the_scales(recipe, 
         for record in records:
             assert record["comm"]["by_op"]["all_gather"] == gathered, (record["comm"], gathered)
             assert record["comm"]["by_op"]["all_reduce"] == (36 * 8 if recipe == "delayed" else cut * 8)
+
+
+@needs_world_size(2)
+@mpi_test
+def test_bf16_zero3_sends_two_bytes_a_value_by_the_same_count():
+    """The count above, every value at 2 bytes and no scale, is bf16 ZeRO-3's ledger: so the FP8
+    weights' bytes in an FP8 gather (1 a value) are half of what bf16 sends for the same weights."""
+    cfg = tiny("delayed", steps=1).replace(precision="bf16")
+    trainer = train.Trainer(cfg, WORLD)
+    records = trainer.run()
+    units = [list(zip(unit.names, unit.shapes)) for unit in trainer.engine.updater.units]
+    bf16 = sum(2 * m[0] for m, _ in (unit_layout(u, "delayed", 2, 2, weight_bytes=2) for u in units))
+    fp8_part = sum(2 * (m[0] - n[0]) for (m, _), (n, _) in
+                   ((unit_layout(u, "delayed", 2, 2, weight_bytes=2), unit_layout(u, "delayed", 2, 2, 0))
+                    for u in units))
+    if WORLD.rank == 0:
+        assert records[0]["comm"]["by_op"]["all_gather"] == bf16
+        assert fp8_part == 2 * 2 * 2 * (4 * 1024 + 2016)  # rank 0's shards: see tiny()
 
 
 @needs_world_size(2)
