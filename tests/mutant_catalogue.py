@@ -29,6 +29,8 @@ class Mutant:
 
 
 WORKING_COPY_TESTS = "tests/precision/test_zero3_working_copy.py"
+FP8_ZERO3_TESTS = "tests/precision/test_fp8_zero3.py"
+FP8_LAYOUT_TESTS = "tests/precision/test_fp8_layouts.py"
 COMM_TESTS = ("tests/distributed/test_comm.py", "tests/distributed/test_collectives.py")
 TRACE_TESTS = "tests/trainer/test_trace.py"
 TRACE_BENCH_TESTS = "tests/bench/test_trace_bench.py"
@@ -464,8 +466,8 @@ MUTANTS = [
            'E4M3 = FP8Format("e4m3", 3, -6, 448.0, np.nan)', 'E4M3 = FP8Format("e4m3", 3, -6, 480.0, np.nan)',
            tests=("tests/precision/test_fp8_formats.py",)),
     Mutant("fp8-amax-not-agreed", "minipar/precision/fp8.py",
-           "FP8Products(model, options), [c for c in shared if c.size > 1])",
-           "FP8Products(model, options), [])",
+           "FP8Runner(runner, products, [c for c in shared if c.size > 1])",
+           "FP8Runner(runner, products, [])",
            tests=("tests/precision/test_fp8_layouts.py",), ranks=(2,)),
     Mutant("fp8-delayed-scales-by-this-step", "minipar/precision/fp8.py",
            "return scale_for(max(past), fmt, self.margin) if past else 1.0",
@@ -476,6 +478,40 @@ MUTANTS = [
     Mutant("fp8-head-in-fp8", "minipar/precision/fp8.py",
            "isinstance(m, kinds) and id(m) not in heads", "isinstance(m, kinds)",
            tests=("tests/precision/test_fp8.py",)),
+    # ---- issue 45: ZeRO-3's all-gather in FP8, and dp x tp x pp ----
+    Mutant("fp8-zero3-cut-groups-not-agreed", "minipar/precision/fp8_zero3.py",
+           "        if cut and not delayed:  # the same list on every rank",
+           "        if False:  # the same list on every rank",
+           tests=(FP8_ZERO3_TESTS,), ranks=(2,)),
+    Mutant("fp8-zero3-a-block-owned-by-where-it-starts", "minipar/precision/fp8_zero3.py",
+           "owner[(offset + first >= start) & (offset + last < stop)] = rank",
+           "owner[(offset + first >= start) & (offset + first < stop)] = rank",
+           tests=(FP8_ZERO3_TESTS,), ranks=(2,)),
+    Mutant("fp8-zero3-sent-scale-not-read", "minipar/precision/fp8_zero3.py",
+           "scales[w][g] = gathered[at : at + SCALE_BYTES].view(np.float64)[0]", "scales[w][g] = 1.0",
+           tests=(FP8_ZERO3_TESTS,), ranks=(2,)),
+    Mutant("fp8-zero3-delayed-weight-amax-not-recorded", "minipar/precision/fp8_zero3.py",
+           "                self.products.scaling.record(key, float(amax[0]))", "                pass",
+           tests=(FP8_ZERO3_TESTS,), ranks=(2,)),
+    Mutant("fp8-zero3-gathers-the-wide-weights", "minipar/trainer/build.py",
+           "if cfg.zero == 3 and fp8_products is not None:", "if False:",
+           tests=(FP8_ZERO3_TESTS,), ranks=(2,)),
+    Mutant("fp8-handed-weight-ignored", "minipar/precision/fp8.py",
+           "weight = self.prequantized.get(self.layer)", "weight = None",
+           tests=(FP8_ZERO3_TESTS,)),
+    Mutant("fp8-amax-agreed-over-dp-only", "minipar/precision/fp8.py",
+           "        for comm in self.shared:\n            amax = comm.all_reduce(amax, op=\"max\")",
+           "        for comm in self.shared[:1]:\n            amax = comm.all_reduce(amax, op=\"max\")",
+           tests=(FP8_LAYOUT_TESTS,), ranks=(8,)),  # dp and tp both above 1: 8 ranks, dp x tp x pp
+    Mutant("fp8-amax-history-not-loaded", "minipar/checkpoint/sharded.py",
+           '    fp8.load_amax_history(engine.runner, manifest.get("fp8_amax_history"))\n',
+           "    pass  # the history starts anew\n", tests=("tests/checkpoint/test_checkpoint.py",)),
+    Mutant("fp8-amax-history-loaded-after-zero3-quantized-the-shards", "minipar/checkpoint/sharded.py",
+           '    fp8.load_amax_history(engine.runner, manifest.get("fp8_amax_history"))\n    try:\n'
+           "        engine.updater.load_logical(state)\n",
+           "    try:\n        engine.updater.load_logical(state)\n"
+           '        fp8.load_amax_history(engine.runner, manifest.get("fp8_amax_history"))\n',
+           tests=("tests/checkpoint/test_checkpoint.py",), ranks=(2,)),
     Mutant("scaler-overflow-keeps-growth-count", "minipar/precision/formats.py",
            "            self._scale *= self._backoff_factor\n            self._growth_tracker = 0\n",
            "            self._scale *= self._backoff_factor\n",

@@ -29,13 +29,14 @@ the step boundary and written by a thread that does file I/O only while training
 once one small collective says every rank's writer is done; at most one save is in flight. It saves
 the step time of the writing (not of the copy), and costs a copy of the pieces in memory meanwhile.
 
-What is saved: the parameters and optimizer states, the optimizer's step count, the loss scaler (fp16)
-and the step. The step is also the data position and the random state: a batch is a pure function of
-(seed, step), and training draws no other random numbers (dropout is 0), so the seed and the step
-restore every generator. What it costs: one read of every piece a rank needs, and at load time every
-rank reads the manifest and checks every file's size and SHA-256 before any collective, so a bad
-checkpoint is one error on every rank, not a hang. Every rank must see DIR (one machine, or a shared
-file system), as with PyTorch's distributed checkpoints.
+What is saved: the parameters and optimizer states, the optimizer's step count, the loss scaler (fp16),
+FP8's delayed amax history (by layer name, in the manifest) and the step. The step is also the data
+position and the random state: a batch is a pure function of (seed, step), and training draws no other
+random numbers (dropout is 0), so the seed and the step restore every generator. What it costs: one
+read of every piece a rank needs, and at load time every rank reads the manifest and checks every
+file's size and SHA-256 before any collective, so a bad checkpoint is one error on every rank, not a
+hang. Every rank must see DIR (one machine, or a shared file system), as with PyTorch's distributed
+checkpoints.
 
 What it needs of a run: the engine (trainer/engine.py: its cfg, grid.world, model, updater and
 loss_scaler); the updater answers `checkpoint_pieces` and `load_logical` (parallel/api.py). The model
@@ -67,6 +68,7 @@ from minipar.core.moe import MoEConfig, MoEGPT
 from minipar.core.nn import GPT, GPTConfig, MLPConfig, MLPNet
 from minipar.distributed.faults import inject_fault
 from minipar.parallel.logical_state import Piece, assemble
+from minipar.precision import fp8
 
 FORMAT = "minipar-checkpoint-1"
 MANIFEST = "manifest.json"
@@ -93,6 +95,7 @@ def save(directory, engine, step: int, keep: int = 1) -> None:
             if piece.full_shape != ()}  # counts (AdamW's step) go into the manifest
     counts = {name: {kind: int(count) for kind, (piece, count) in kinds.items() if piece.full_shape == ()}
               for name, kinds in held.items()}
+    history = amax_history(engine)  # fp8: the delayed scales' history, every stage's layers (a collective)
     earlier = set().union(*world.allgather_obj(keys)[: world.rank])  # held by a lower rank: it writes them
     mine = sorted(keys - earlier, key=lambda key: key[:2])
     file = written = None
@@ -106,7 +109,7 @@ def save(directory, engine, step: int, keep: int = 1) -> None:
     if world.rank == 0:
         problem = next((entry for entry in files if isinstance(entry, str)), None)
         if problem is None:
-            _, problem = _attempt(commit, directory, engine, step, folder, files, keep)
+            _, problem = _attempt(commit, directory, engine, step, folder, files, keep, "now", history)
     problem = world.bcast_obj(problem)  # no rank returns before the checkpoint is committed
     if problem is not None:
         raise SaveFailed(f"--save {directory}: the checkpoint of step {step} was not written ({problem}); "
@@ -133,9 +136,9 @@ class PendingSave:
     """A save whose files a writer thread is writing: its step, folder and outcome."""
 
     def __init__(self, directory: Path, step: int, folder: str, file: str, mine: list, counts: dict,
-                 keep: int, scaler: dict | None):
+                 keep: int, scaler: dict | None, history: dict | None = None):
         self.directory, self.step, self.folder, self.file = directory, step, folder, file
-        self.mine, self.counts, self.keep, self.scaler = mine, counts, keep, scaler
+        self.mine, self.counts, self.keep, self.scaler, self.history = mine, counts, keep, scaler, history
         self.written: tuple | None = None
         self.problem: str | None = None
         self.thread: threading.Thread | None = None
@@ -166,7 +169,7 @@ def start_save(directory, engine, step: int, keep: int = 1) -> PendingSave | Non
         raise SaveFailed(f"--save {directory}: the checkpoint of step {step} was not written ({problem}); "
                          "the previous one is intact")
     pending = PendingSave(directory, step, folder, f"{folder}/rank{world.rank:05d}.npz", mine, counts, keep,
-                          loss_scaler_state(engine))
+                          loss_scaler_state(engine), amax_history(engine))
     snapshot = {f"{name}/{kind}": np.array(held[name][kind][1], copy=True) for name, kind, _ in mine}
     pending.thread = threading.Thread(target=pending.write, args=(snapshot, world.rank),
                                       name="minipar-checkpoint-writer", daemon=True)
@@ -193,7 +196,7 @@ def finish_save(pending: PendingSave | None, engine, wait: bool = False) -> Pend
         problem = next((entry for entry in files if isinstance(entry, str)), None)
         if problem is None:
             _, problem = _attempt(commit, pending.directory, engine, pending.step, pending.folder, files,
-                                  pending.keep, pending.scaler)
+                                  pending.keep, pending.scaler, pending.history)
     problem = world.bcast_obj(problem)
     if problem is not None:
         raise SaveFailed(f"--save {pending.directory}: the checkpoint of step {pending.step} was not "
@@ -211,10 +214,11 @@ def _attempt(write, *args):
 
 
 def commit(directory: Path, engine, step: int, folder: str, files: list, keep: int,
-           scaler: dict | None | str = "now") -> None:
+           scaler: dict | None | str = "now", history: dict | None = None) -> None:
     """Rank 0, once every rank's file is in place: the manifests, then the older folders go.
-    `scaler`: the loss scaler's state at the step saved, where that was not now (--save-async)."""
-    manifest = build_manifest(engine, step, folder, files, scaler)
+    `scaler`: the loss scaler's state at the step saved, where that was not now (--save-async);
+    `history`: FP8's amax history at the step saved (`amax_history`)."""
+    manifest = build_manifest(engine, step, folder, files, scaler, history)
     text = manifest_text(manifest).encode()
     inject_fault(0, "between the shards and the manifest", save="shards-written")  # tests: a kill here
     write_atomically(directory / folder / MANIFEST, text, 0, "manifest")  # --resume DIR/step-...
@@ -311,7 +315,8 @@ def fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
-def build_manifest(engine, step: int, folder: str, files: list, scaler: dict | None | str = "now") -> dict:
+def build_manifest(engine, step: int, folder: str, files: list, scaler: dict | None | str = "now",
+                   history: dict | None = None) -> dict:
     cfg, tensors = engine.cfg, {}
     for file, _, _, entries, _ in files:
         for name, kind, piece in entries:
@@ -332,10 +337,22 @@ def build_manifest(engine, step: int, folder: str, files: list, scaler: dict | N
                    "cp": cfg.cp, "zero": cfg.zero, "offload": cfg.offload, "precision": cfg.precision},
         "run": run_settings(cfg),
         "loss_scaler": loss_scaler_state(engine) if scaler == "now" else scaler,
+        "fp8_amax_history": history or None,
         "folder": folder,
         "files": {file: {"bytes": size, "sha256": digest} for file, size, digest, _, _ in files},
         "tensors": dict(sorted(tensors.items())),
     }
+
+
+def amax_history(engine) -> dict | None:
+    """FP8's delayed amax history, every stage's layers (a collective over the world in fp8: the
+    pipeline's stages hold different layers; the dp and tp ranks of one the same, agreed, history)."""
+    if engine.cfg.precision != "fp8":
+        return None
+    merged: dict = {}
+    for history in engine.grid.world.allgather_obj(fp8.amax_history(engine.runner)):
+        merged.update(history)
+    return merged
 
 
 def loss_scaler_state(engine) -> dict | None:
@@ -494,6 +511,7 @@ def check_against(manifest: dict, directory: Path, identity: dict, cfg, where: s
         raise CheckpointError(f"{where}: a checkpoint of another model ({', '.join(differences)})")
     check_tensors(manifest, expected_tensors(cfg.optimizer, cfg.momentum, cfg.model, identity), where)
     check_loss_scaler(manifest["loss_scaler"], where)
+    check_amax_history(manifest.get("fp8_amax_history"), where)  # absent before it was saved: None
     if manifest["seed"] != cfg.seed:
         raise CheckpointError(f"{where}: saved with --seed {manifest['seed']}, and the data position "
                               f"is (seed, step): resume with --seed {manifest['seed']}")
@@ -509,6 +527,18 @@ def check_against(manifest: dict, directory: Path, identity: dict, cfg, where: s
 
 def is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_amax_history(history, where: str) -> None:
+    """None, or FP8's amax history as `amax_history` writes it: layer -> tensor -> non-negative amaxes."""
+    if history is None:
+        return
+    if not (isinstance(history, dict) and all(
+            isinstance(tensors, dict) and all(isinstance(past, list) and all(
+                isinstance(a, (int, float)) and math.isfinite(a) and a >= 0 for a in past)
+                for past in tensors.values()) for tensors in history.values())):
+        raise CheckpointError(f"{where}: {MANIFEST} is malformed (fp8_amax_history is not an amax history: "
+                              "layer -> tensor -> a list of non-negative amaxes)")
 
 
 def check_loss_scaler(state, where: str) -> None:
@@ -671,6 +701,8 @@ def load(directory, engine) -> int:
     """Set the engine's state from the checkpoint in `directory`; return its step. No collective."""
     manifest = read_manifest(directory, engine.cfg, engine.model.config)
     state = SavedState(base_of(Path(directory), manifest), manifest)
+    # first: ZeRO-3 in FP8 quantizes the loaded shards with the delayed scales (precision/fp8_zero3.py)
+    fp8.load_amax_history(engine.runner, manifest.get("fp8_amax_history"))
     try:
         engine.updater.load_logical(state)
     finally:

@@ -125,14 +125,15 @@ class Comm:
             self._charge_ring("reduce_scatter", counts, send.itemsize)
         return _device(received)
 
-    def all_gather(self, shard, numel: int | None = None):
+    def all_gather(self, shard, numel: int | None = None, counts: list[int] | None = None):
         """Flat concatenation of every rank's flattened shard, in rank order; shards may differ in size.
 
-        Pass numel (the total) when the shards follow shard_bounds(numel, size, rank): it saves the
-        small exchange of shard sizes that uneven shards otherwise need.
+        Pass numel (the total) when the shards follow shard_bounds(numel, size, rank), or `counts`
+        (every rank's size) when all ranks know them otherwise: it saves the small exchange of shard
+        sizes that uneven shards otherwise need.
         """
         flat = shard.reshape(-1)
-        counts = self.allgather_obj(flat.size) if numel is None else shard_sizes(numel, self.size)
+        counts = counts or (self.allgather_obj(flat.size) if numel is None else shard_sizes(numel, self.size))
         if counts[self.rank] != flat.size:
             raise ValueError(f"rank {self.rank} holds {flat.size} elements, but shard_bounds({numel}, "
                              f"{self.size}, {self.rank}) says {counts[self.rank]}")
@@ -180,10 +181,11 @@ class Comm:
         self._charge_ring("all_reduce", shard_sizes(send.size, self.size), send.itemsize, pending)
         return PendingCollective(self, "all_reduce", request, send, lambda: _device(received), pending)
 
-    def iall_gather(self, shard, numel: int) -> PendingCollective:
-        """Start all_gather(shard, numel) without waiting (ZeRO-3's prefetch): charged now, like
-        all_gather; `wait()` on the result gives the flat concatenation."""
-        counts = shard_sizes(numel, self.size)
+    def iall_gather(self, shard, numel: int | None = None,
+                    counts: list[int] | None = None) -> PendingCollective:
+        """Start all_gather(shard, numel or counts) without waiting (ZeRO-3's prefetch): charged now,
+        like all_gather; `wait()` on the result gives the flat concatenation."""
+        counts = counts or shard_sizes(numel or 0, self.size)
         flat = shard.reshape(-1)
         if counts[self.rank] != flat.size:
             raise ValueError(f"rank {self.rank} holds {flat.size} elements, but shard_bounds({numel}, "

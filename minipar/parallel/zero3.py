@@ -31,6 +31,8 @@ parameter a rank holds 2/N bytes of 16-bit shard, 4/N of fp32 gradients and 4/N 
 optimizer states (the planner's formula with p = 2, g = 4 and the master counted in K), and the ledger
 counts a gathered unit at 2 bytes per value: what came over the wire, and what a device would hold
 (NumPy computes from its decoding into float32 arrays, as it holds every 16-bit value).
+In FP8 (precision/fp8_zero3.py, a subclass) the FP8 Linear weights travel as 1-byte values plus their
+scales, each rank's message a different size (`gathered_counts`).
 Lesson: lessons/04_zero.md.
 """
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 from minipar.core.backend import Array
 from minipar.core.backend import current as current_backend
+from minipar.core.shards import shard_sizes
 from minipar.distributed.collectives import Wire
 from minipar.distributed.communicator import PendingCollective
 from minipar.memory.ledger import buffer_meter
@@ -104,8 +107,13 @@ class ZeroStage3(ZeroStage2):
         """The bytes of a unit made whole: the elements times the gathered format's bytes."""
         return unit.padded * self.gathered_shard(unit).itemsize
 
-    def whole(self, gathered):
-        """The flat parameters the model computes with, from what the all-gather brought."""
+    def gathered_counts(self, unit) -> list[int]:
+        """Every rank's number of elements in the unit's all-gather: its shard's (precision/fp8_zero3.py:
+        the bytes of its shard's message, which differ by rank)."""
+        return shard_sizes(unit.padded, self.comm.size)
+
+    def whole(self, gathered, unit):
+        """The unit's flat parameters the model computes with, from what the all-gather brought."""
         return gathered if self.working is None else self.working.decode(gathered)
 
     def gather_params(self, unit):
@@ -116,9 +124,10 @@ class ZeroStage3(ZeroStage2):
             return  # still whole: the first unit between its backward and the step
         pending = self.prefetched.pop(self.units.index(unit), None)
         if pending is not None:
-            unit.flat = self.whole(pending.wait())
+            unit.flat = self.whole(pending.wait(), unit)
         else:
-            unit.flat = self.whole(self.comm.all_gather(self.gathered_shard(unit), numel=unit.padded))
+            gathered = self.comm.all_gather(self.gathered_shard(unit), counts=self.gathered_counts(unit))
+            unit.flat = self.whole(gathered, unit)
             buffer_meter.add(self.gathered_nbytes(unit))
         unit.point_params_at(unit.flat)
         # end exercise
@@ -129,7 +138,8 @@ class ZeroStage3(ZeroStage2):
             return
         unit = self.units[index]
         if unit.flat is None:
-            self.prefetched[index] = self.comm.iall_gather(self.gathered_shard(unit), numel=unit.padded)
+            self.prefetched[index] = self.comm.iall_gather(self.gathered_shard(unit),
+                                                           counts=self.gathered_counts(unit))
             buffer_meter.add(self.gathered_nbytes(unit))
 
     def release_params(self, unit):

@@ -140,6 +140,40 @@ def round_to_e5m2(x, saturate: bool = True) -> np.ndarray:
     return round_to_fp8(x, E5M2, saturate)
 
 
+def fp8_values(fmt: FP8Format) -> np.ndarray:
+    """The 256 values of `fmt` (float64), indexed by bit pattern S.EEEE.MMM (E4M3) or S.EEEEE.MM (E5M2):
+    exponent bias 1 - min_normal_exponent, exponent 0 the subnormals m·2^(min_normal - mantissa_bits);
+    a pattern beyond max_finite is E4M3's NaN, or E5M2's infinity (mantissa 0) and NaN."""
+    bits = np.arange(256)
+    m_bits, exponent = fmt.mantissa_bits, (np.arange(256) & 0x7F) >> fmt.mantissa_bits
+    mantissa = bits & ((1 << m_bits) - 1)
+    normal = (1.0 + mantissa / 2.0**m_bits) * np.ldexp(1.0, exponent - 1 + fmt.min_normal_exponent)
+    magnitude = np.where(exponent == 0, mantissa * 2.0**(fmt.min_normal_exponent - m_bits), normal)
+    beyond = np.where((mantissa == 0) & np.isinf(fmt.overflow), np.inf, np.nan)
+    magnitude = np.where(magnitude > fmt.max_finite, beyond, magnitude)
+    return np.where(bits >> 7, -magnitude, magnitude)
+
+
+def to_fp8_bits(values, fmt: FP8Format) -> np.ndarray:
+    """The 1-byte patterns (uint8) of values that are `fmt`'s already (round_to_fp8's output): what an
+    FP8 tensor sends. The positive patterns are in the order of their values, so a search finds each."""
+    table = fp8_values(fmt)[:128]
+    finite = table[np.isfinite(table)]
+    v = np.asarray(values, dtype=np.float64)
+    magnitude = np.abs(np.where(np.isnan(v), 0.0, v))
+    bits = np.searchsorted(finite, magnitude).astype(np.uint8)
+    if np.any(np.isfinite(magnitude) & (finite[np.minimum(bits, finite.size - 1)] != magnitude)):
+        raise ValueError(f"to_fp8_bits: a value that {fmt.name} cannot hold (round it first)")
+    bits = np.where(np.isinf(magnitude), np.uint8(finite.size), bits)  # E5M2's infinity follows its max
+    bits = np.where(np.isnan(v), np.uint8(0x7F), bits)  # a NaN pattern in both formats
+    return (bits | (np.signbit(v).astype(np.uint8) << 7)).astype(np.uint8)
+
+
+def from_fp8_bits(bits, fmt: FP8Format, dtype=np.float64) -> np.ndarray:
+    """The values (in `dtype`: every FP8 value is exact in float32 and float64) of 1-byte patterns."""
+    return fp8_values(fmt).astype(dtype)[np.asarray(bits, dtype=np.uint8)]
+
+
 _TO_BITS = {"bf16": to_bf16_bits, "fp16": to_fp16_bits}
 _FROM_BITS = {"bf16": from_bf16_bits, "fp16": from_fp16_bits}
 

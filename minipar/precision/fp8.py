@@ -17,8 +17,10 @@ Forward operands are E4M3; gradients E5M2 for the per-tensor recipes (HYBRID), E
 Everything else stays in the run's dtype: the master weights and optimizer (fp32, as bf16's mixed
 precision keeps them), embeddings, the output head, LayerNorm, the attention core and the loss.
 With `--fp8-accumulate fp64` the products add in fp64: layouts then compare with one process to 1e-9.
-The amax history is not part of a checkpoint: a resumed delayed run starts a new history (scale 1 for
-its first step), as a run resumed in another precision does.
+Under ZeRO-3 the weights arrive quantized already (fp8_zero3.py gathers them in FP8: `Prequantized`,
+the bits quantizing the gathered weight would give), and the products use them as they are.
+A checkpoint keeps the amax history by layer name (`amax_history`, checkpoint/sharded.py's manifest),
+so a resumed delayed run, in any layout, continues it and trains as the uninterrupted run.
 
 What it saves: on hardware, a quarter of fp32's bytes per GEMM operand and twice bf16's matrix rate;
 here the values are FP8's in fp32 arrays, so only the arithmetic's result is FP8's, not its speed.
@@ -62,16 +64,24 @@ def quantize(x, scale, fmt: FP8Format) -> np.ndarray:
 def per_tensor_product(a, b, a_scale: float, b_scale: float, a_fmt: FP8Format, b_fmt: FP8Format):
     """a @ b with each operand quantized with one scale: the FP8 products summed in a's dtype, then
     divided by both scales (Transformer Engine's scale_inv times scale_inv)."""
-    qa, qb = quantize(a, a_scale, a_fmt), quantize(b, b_scale, b_fmt)
+    return descaled_product(quantize(a, a_scale, a_fmt), quantize(b, b_scale, b_fmt), a_scale, b_scale)
+
+
+def descaled_product(qa, qb, a_scale: float, b_scale: float):
+    """The product of two quantized operands, divided by their scales."""
     return (qa @ qb) * (1.0 / a_scale) * (1.0 / b_scale)
+
+
+def block_scales(amax, fmt: FP8Format, dtype):
+    """Each tile's or block's scale from its amax (1 where the amax is 0), in the operand's dtype."""
+    return np.where(amax > 0, fmt.max_finite / np.where(amax > 0, amax, 1), 1.0).astype(dtype)
 
 
 def tile_quantize(a, n: int, fmt: FP8Format):
     """a (M, K) in 1 x n tiles along K: the quantized values and each tile's 1/scale, (M, K/n)."""
     rows, width = a.shape
     tiles = a.reshape(rows, width // n, n)
-    amax = np.abs(tiles).max(axis=2)
-    scale = np.where(amax > 0, fmt.max_finite / np.where(amax > 0, amax, 1), 1.0).astype(a.dtype)
+    scale = block_scales(np.abs(tiles).max(axis=2), fmt, a.dtype)
     return quantize(tiles, scale[:, :, None], fmt).reshape(a.shape), 1.0 / scale
 
 
@@ -79,8 +89,7 @@ def block_quantize(w, n: int, fmt: FP8Format):
     """w (R, C) in n x n blocks: the quantized values and each block's 1/scale, (R/n, C/n)."""
     rows, cols = w.shape
     blocks = w.reshape(rows // n, n, cols // n, n)
-    amax = np.abs(blocks).max(axis=(1, 3))
-    scale = np.where(amax > 0, fmt.max_finite / np.where(amax > 0, amax, 1), 1.0).astype(w.dtype)
+    scale = block_scales(np.abs(blocks).max(axis=(1, 3)), fmt, w.dtype)
     return quantize(blocks, scale[:, None, :, None], fmt).reshape(w.shape), 1.0 / scale
 
 
@@ -95,16 +104,29 @@ def block_product(qa, a_inv, qb, b_inv, n: int):
     return out
 
 
-def block_scaled_product(a, b, n: int, role: str):
+@dataclass
+class Prequantized:
+    """A Linear weight (out, in) quantized before ZeRO-3 gathered it (fp8_zero3.py): its E4M3 values
+    (the weight times its scale, rounded; held in the run's dtype) and its scale (per tensor) or each
+    n x n block's 1/scale (block)."""
+    values: np.ndarray
+    scale: float = 1.0
+    inverse: np.ndarray | None = None
+
+
+def block_scaled_product(a, b, n: int, role: str, weight: Prequantized | None = None):
     """Linear's product `role` with DeepSeek-V3's scales, all E4M3. forward: x (1xn tiles) @ W^T
     (nxn blocks); input_grad: g (1xn tiles) @ W (the same blocks); weight_grad: g^T @ x, whose inner
-    dimension is the tokens, so both are tiled n tokens by 1 channel (g^T's rows, x's columns)."""
+    dimension is the tokens, so both are tiled n tokens by 1 channel (g^T's rows, x's columns).
+    `weight`: W's blocks as ZeRO-3 gathered them, quantized already (the same bits)."""
     qa, a_inv = tile_quantize(a, n, E4M3)
     if role == "weight_grad":
         qbt, bt_inv = tile_quantize(b.T, n, E4M3)
         return block_product(qa, a_inv, qbt.T, bt_inv.T, n)
-    weight = b.T if role == "forward" else b  # (out, in) either way: one block grid for both
-    qw, w_inv = block_quantize(weight, n, E4M3)
+    if weight is not None:
+        qw, w_inv = weight.values, weight.inverse
+    else:
+        qw, w_inv = block_quantize(b.T if role == "forward" else b, n, E4M3)  # (out, in) either way
     if role == "forward":
         return block_product(qa, a_inv, qw.T, np.repeat(w_inv.T, n, axis=1), n)
     return block_product(qa, a_inv, qw, np.repeat(w_inv, n, axis=1), n)
@@ -138,6 +160,18 @@ class PerTensorScaling:
         past = self.history.get(key)
         return scale_for(max(past), fmt, self.margin) if past else 1.0
 
+    def history_scale(self, key: tuple, fmt: FP8Format) -> float:
+        """The delayed scale of `key` for this step, recording nothing (a weight quantized before it is
+        gathered records its amax itself, `record`)."""
+        history = self.history.get(key, [])
+        return scale_for(max(history), fmt, self.margin) if history else 1.0
+
+    def record(self, key: tuple, amax: float) -> None:
+        """This step's amax of `key` is `amax`: a weight's shard, quantized once per update, records its
+        own (0 for a weight it holds none of); `end_step`'s max over the ranks gives the whole's."""
+        if self.delayed:
+            self.step_amax[key] = amax
+
     def end_step(self, reduce_max) -> None:
         """Append this step's amaxes, after `reduce_max` (an fp64 array -> its max over the ranks
         that share the tensors; the identity on one process) agreed them."""
@@ -152,12 +186,17 @@ class PerTensorScaling:
         self.step_amax.clear()
 
 
-def per_tensor_scaled_product(scaling: PerTensorScaling, layer: int, a, b, role: str):
+def per_tensor_scaled_product(scaling: PerTensorScaling, layer: int, a, b, role: str,
+                              weight: Prequantized | None = None):
     """One of Linear's products with one scale per operand tensor; gradients in E5M2 (HYBRID).
-    weight_grad's operands are g^T and x, whose amax is g's and x's."""
+    weight_grad's operands are g^T and x, whose amax is g's and x's. `weight`: W quantized before
+    ZeRO-3 gathered it, with its scale (the bits quantizing b would give)."""
     a_name, b_name = OPERANDS[role]
     a_fmt = E5M2 if a_name == "grad" else E4M3
     a_scale = scaling.scale((layer, a_name), a, a_fmt)
+    if weight is not None and b_name == "weight":
+        qw = weight.values.T if role == "forward" else weight.values
+        return descaled_product(quantize(a, a_scale, a_fmt), qw, a_scale, weight.scale)
     b_scale = scaling.scale((layer, b_name), b, E4M3)
     return per_tensor_product(a, b, a_scale, b_scale, a_fmt, E4M3)
 
@@ -182,6 +221,10 @@ class FP8Products:
         self.block, self.recipe = options.fp8_block, options.fp8_recipe
         self.scaling = PerTensorScaling(delayed=options.fp8_recipe == "delayed")
         self.layer: int | None = None
+        self.layer_of = {id(m.weight): i for i, m in enumerate(fp8_linears(model))}  # weight -> its layer
+        named = {id(p): name for name, p in model.named_parameters()}  # the logical names of any layout
+        self.names = [named[id(m.weight)].removesuffix(".weight") for m in fp8_linears(model)]
+        self.prequantized: dict[int, Prequantized] = {}  # layer -> its weight as ZeRO-3 gathered it
         self.handles = []
         for index, module in enumerate(fp8_linears(model)):
             self.handles += [module.register_forward_pre_hook(partial(self._enter, index)),
@@ -198,9 +241,10 @@ class FP8Products:
     def __call__(self, a, b, role: str):
         if self.layer is None:
             return matrix_product(a, b)
+        weight = self.prequantized.get(self.layer)
         if self.recipe == "block":
-            return block_scaled_product(a, b, self.block, role)
-        return per_tensor_scaled_product(self.scaling, self.layer, a, b, role)
+            return block_scaled_product(a, b, self.block, role, weight)
+        return per_tensor_scaled_product(self.scaling, self.layer, a, b, role, weight)
 
 
 class FP8Runner(RunnerWrapper):
@@ -223,11 +267,37 @@ class FP8Runner(RunnerWrapper):
         return amax
 
 
-def wrap_runner(options: FP8Options, precision: str, model, runner, shared: list):
-    """The runner for `--precision fp8`; any other precision: the runner itself."""
-    if precision != "fp8":
+def amax_history(runner) -> dict:
+    """The delayed recipe's amax history for a checkpoint: {layer name: {tensor: [amax, ...]}}, the
+    names the logical ones ("blocks.1.mlp.fc"), so that any layout resumes it; {} otherwise."""
+    if not isinstance(runner, FP8Runner) or not runner.products.scaling.delayed:
+        return {}
+    names, saved = runner.products.names, {}
+    for (layer, tensor), past in runner.products.scaling.history.items():
+        saved.setdefault(names[layer], {})[tensor] = list(past)
+    return saved
+
+
+def load_amax_history(runner, saved: dict | None) -> None:
+    """Continue the history a checkpoint saved, for the layers this rank holds (none saved: a new one)."""
+    if not isinstance(runner, FP8Runner) or not runner.products.scaling.delayed or not saved:
+        return
+    runner.products.scaling.history = {(layer, tensor): [float(a) for a in past]
+                                       for layer, name in enumerate(runner.products.names)
+                                       for tensor, past in saved.get(name, {}).items()}
+
+
+def products_of(options: FP8Options, precision: str, model) -> FP8Products | None:
+    """The FP8 products of the model's Linear layers for `--precision fp8` (ZeRO-3's FP8 gather hands
+    them its weights, fp8_zero3.py; the runner installs them); None for any other precision."""
+    return FP8Products(model, options) if precision == "fp8" else None
+
+
+def wrap_runner(products: FP8Products | None, runner, shared: list):
+    """The runner for `--precision fp8` (`products`); any other precision (None): the runner itself."""
+    if products is None:
         return runner
-    return FP8Runner(runner, FP8Products(model, options), [c for c in shared if c.size > 1])
+    return FP8Runner(runner, products, [c for c in shared if c.size > 1])
 
 
 # ---- the options of `minipar train --precision fp8` and their checks (trainer/validate.py gathers them) ----

@@ -36,6 +36,7 @@ from minipar.parallel.zero3 import ZeroStage3
 from minipar.parallel.zero_chunked import build_chunked_zero3
 from minipar.precision import fp8
 from minipar.precision import mixed as mixed_precision
+from minipar.precision.fp8_zero3 import FP8ZeroStage3
 from minipar.trainer.config import gradient_transforms
 from minipar.trainer.engine import Engine
 from minipar.trainer.tasks import AdditionTask
@@ -113,19 +114,20 @@ def build_runner(cfg, grid, model):
     return runner
 
 
-def build_updater(cfg, grid, model, scaler=None):
+def build_updater(cfg, grid, model, scaler=None, fp8_products=None):
     """The step across data-parallel replicas, with the transforms at its gradients-ready point
     (parallel/api.py), in PyTorch AMP's order: fp16's unscale and overflow verdict (`scaler`, or
     PyTorch's defaults), then each option that declares a `gradient_transform` (config.py), in the
-    order of TrainConfig's fields."""
-    updater = synchronising_updater(cfg, grid, model)
+    order of TrainConfig's fields. `fp8_products`: the FP8 Linear layers (fp8.py), which ZeRO-3 hands
+    the weights it gathers in FP8."""
+    updater = synchronising_updater(cfg, grid, model, fp8_products)
     mixed_precision.attach_loss_scaling(cfg, updater, grid.world, scaler)
     for transform in gradient_transforms():
         transform.attach(cfg, grid, updater)
     return updater
 
 
-def synchronising_updater(cfg, grid, model):
+def synchronising_updater(cfg, grid, model, fp8_products=None):
     """How gradients are made final and applied: chunked ZeRO-3, ZeRO 1-3, DDP, or a plain step (dp=1).
     With --cp the replicas of the parameters are the dp x cp ranks (grid.dp_cp)."""
 
@@ -146,6 +148,9 @@ def synchronising_updater(cfg, grid, model):
         return fsdp.build(cfg, grid, model, optimizer_of([]), prefetch=not cfg.no_overlap,
                           working=mixed_precision.parameter_wire(cfg.precision))  # bf16, fp16: as ZeRO-3
     if cfg.zero:  # ZeRO partitions the model states over the data-parallel ranks (zero.py, zero3.py)
+        if cfg.zero == 3 and fp8_products is not None:  # the FP8 weights gathered in FP8 (fp8_zero3.py)
+            return FP8ZeroStage3(model, optimizer_of([]), grid.dp_cp, fp8_products,
+                                 prefetch=not cfg.no_overlap)
         if cfg.zero == 3:  # prefetching the next unit's parameters unless --no-overlap
             working = mixed_precision.parameter_wire(cfg.precision)  # bf16, fp16: gather the 16-bit copy
             return ZeroStage3(model, optimizer_of([]), grid.dp_cp, prefetch=not cfg.no_overlap,
@@ -162,12 +167,13 @@ def synchronising_updater(cfg, grid, model):
 
 def build_engine(cfg, grid) -> Engine:
     model = build_model(cfg, grid)
-    runner, updater = build_runner(cfg, grid, model), build_updater(cfg, grid, model)
+    products = fp8.products_of(cfg, cfg.precision, model)  # fp8: the Linear layers' products
+    runner, updater = build_runner(cfg, grid, model), build_updater(cfg, grid, model, fp8_products=products)
     # bf16/fp16: 16-bit working weights and activations over the fp32 masters (and, for fp16, the loss
     # scaled by the scale of the loss scaling at the updater's gradients-ready point)
     runner = mixed_precision.wrap_runner(cfg, model, runner, updater)
     # fp8: the Linear layers' products in FP8, the delayed recipe's amaxes agreed over dp x cp and tp
-    runner = fp8.wrap_runner(cfg, cfg.precision, model, runner, [grid.dp_cp, grid.tp])
+    runner = fp8.wrap_runner(products, runner, [grid.dp_cp, grid.tp])
     return Engine(cfg, grid, model, runner, updater, loss_scaler_of(updater),
                   routing=routing_of(model) if cfg.model == "moe" else None)
 

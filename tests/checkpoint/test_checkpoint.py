@@ -107,6 +107,27 @@ def test_fp16_resume_carries_the_loss_scaler(tmp_path, saved_at):
         np.testing.assert_array_equal(state[name], whole_state[name], err_msg=name)
 
 
+FP8_DELAYED = TINY.replace(precision="fp8", fp8_recipe="delayed", fp8_accumulate="fp64")
+
+
+@pytest.mark.parametrize("saved_at", [1, 3])
+def test_fp8_delayed_resume_continues_the_amax_history(tmp_path, saved_at):
+    """Delayed scaling scales step t by the max of the amaxes of the steps before it (scale 1 at the
+    first). The checkpoint keeps that history, by layer name, so the resumed run scales and trains as
+    the uninterrupted one, bit for bit; a history started anew would scale its first step by 1."""
+    whole, whole_state = run(FP8_DELAYED)
+    first, _ = run(FP8_DELAYED.replace(steps=saved_at, save=str(tmp_path)))
+    history = json.loads((tmp_path / "manifest.json").read_text())["fp8_amax_history"]
+    rest, state = run(FP8_DELAYED.replace(resume=str(tmp_path)))
+    assert sorted(history) == [f"blocks.{b}.{layer}" for b in range(2) for layer in
+                               ("attn.key", "attn.proj", "attn.query", "attn.value", "mlp.fc", "mlp.proj")]
+    assert all(len(past) == saved_at for tensors in history.values() for past in tensors.values())
+    assert all(sorted(tensors) == ["grad", "input", "weight"] for tensors in history.values())
+    assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]
+    for name in state:
+        np.testing.assert_array_equal(state[name], whole_state[name], err_msg=name)
+
+
 def test_saving_again_at_the_same_step_keeps_the_old_files_until_the_new_manifest(tmp_path):
     run(TINY.replace(steps=2, save=str(tmp_path)))
     first = json.loads((tmp_path / "manifest.json").read_text())
@@ -260,8 +281,9 @@ def test_chunked_and_offloaded_state_resumes_in_any_layout(chunked, other, chunk
     resumes_like_one_process(saved, resumed, saved_at, seed=0)
 
 
-def resumes_like_one_process(saved: tuple, resumed: tuple, saved_at: int, seed: int):
-    directory, cfg = shared_directory(), TINY.replace(seed=seed)
+def resumes_like_one_process(saved: tuple, resumed: tuple, saved_at: int, seed: int,
+                             base: TrainConfig = TINY):
+    directory, cfg = shared_directory(), base.replace(seed=seed)
     try:
         on_ranks(saved[0], configured(cfg, saved).replace(steps=saved_at, save=str(directory)))
         records, full = on_ranks(resumed[0], configured(cfg, resumed).replace(resume=str(directory)))
@@ -286,6 +308,17 @@ FSDP_CASES = [((2, 1, 1, 2, 0, 2, ""), (2, 2, 1, 1, 0, 1, "fsdp")),
 def test_fsdp_checkpoints_reshard_like_every_other(saved, resumed):
     resumes_like_one_process(saved, resumed, saved_at=1, seed=7)
 
+
+
+@needs_world_size(2)
+@pytest.mark.parametrize("saved, resumed", [((2, 1, 1, 2, 0, 2, ""), (2, 2, 1, 1, 3, 1, "")),
+                                            ((2, 1, 2, 1, 0, 1, ""), (2, 1, 1, 2, 1, 2, ""))])
+@mpi_test
+def test_fp8_delayed_history_resumes_in_another_layout(saved, resumed):
+    """The history saved by layer name: a pipeline's stages each save their layers' (pp 2 resumed on
+    dp 2 with ZeRO-3, whose FP8 gathers quantize with it), tp's ranks one agreed history (tp 2 resumed
+    on pp 2); either equals one process's uninterrupted run to 1e-9."""
+    resumes_like_one_process(saved, resumed, saved_at=2, seed=8, base=FP8_DELAYED)
 
 
 @needs_world_size(2)

@@ -188,8 +188,8 @@ def test_stage3_gathered_buffers_are_dead_after_release_and_the_meter_saw_each(c
     real_gather = Comm.all_gather
     real_gather_params, real_release_params = ZeroStage3.gather_params, ZeroStage3.release_params
 
-    def watched_gather(self, shard, numel=None):
-        flat = real_gather(self, shard, numel)
+    def watched_gather(self, shard, numel=None, counts=None):
+        flat = real_gather(self, shard, numel, counts)
         watched.append(weakref.ref(flat))
         return flat
 

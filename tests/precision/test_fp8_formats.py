@@ -11,7 +11,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from minipar.precision.formats import E4M3, E5M2, round_to_bf16, round_to_e4m3, round_to_e5m2
+from minipar.precision.formats import (
+    E4M3,
+    E5M2,
+    from_fp8_bits,
+    round_to_bf16,
+    round_to_e4m3,
+    round_to_e5m2,
+    to_fp8_bits,
+)
 
 CASES = {"e4m3": (round_to_e4m3, ml_dtypes.float8_e4m3fn, E4M3.max_finite),
          "e5m2": (round_to_e5m2, ml_dtypes.float8_e5m2, E5M2.max_finite)}
@@ -92,3 +100,22 @@ def test_fp8_values_written_out_from_the_definitions():
     np.testing.assert_array_equal(e5, [2.0**-16, 0.0, 57344.0, 57344.0, np.inf, -np.inf])
     assert np.signbit(round_to_e4m3(np.float32(-1e-30)))
     assert round_to_e4m3(np.float32(1.0)).dtype == np.float32
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+def test_fp8_bit_patterns_are_ml_dtypes(name):
+    """What an FP8 value sends (ZeRO-3's FP8 all-gather): its 1-byte pattern, ml_dtypes' own, for every
+    pattern (the values of the 256, NaN where NaN) and for rounded random values, signed zeros included."""
+    fmt, fp8_dtype = {"e4m3": (E4M3, ml_dtypes.float8_e4m3fn), "e5m2": (E5M2, ml_dtypes.float8_e5m2)}[name]
+    patterns = np.arange(256, dtype=np.uint8)
+    values = patterns.view(fp8_dtype).astype(np.float64)
+    assert not same_bits(from_fp8_bits(patterns, fmt), values).size
+    finite = np.isfinite(values)  # NaN has several patterns: only the values' are one to one
+    np.testing.assert_array_equal(to_fp8_bits(values[finite], fmt), patterns[finite])
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(4096) * np.exp2(rng.integers(-20, 20, 4096)), [0.0, -0.0]])
+    rounded = CASES[name][0](x, saturate=True)
+    np.testing.assert_array_equal(to_fp8_bits(rounded, fmt), oracle(x, fp8_dtype, fmt.max_finite, True)
+                                  .astype(fp8_dtype).view(np.uint8))
+    with pytest.raises(ValueError, match="cannot hold"):
+        to_fp8_bits(np.array([1.0625]), fmt)  # between two values of both formats
