@@ -214,13 +214,13 @@ class GatherCounter:
     def __init__(self, comm):
         self.comm, self.calls = comm, []
 
-    def all_gather(self, shard, numel):
-        self.calls.append(("wait", numel))
-        return self.comm.all_gather(shard, numel=numel)
+    def all_gather(self, shard, numel=None, counts=None):  # the unit's total, or every rank's share of it
+        self.calls.append(("wait", numel if counts is None else sum(counts)))
+        return self.comm.all_gather(shard, numel=numel, counts=counts)
 
-    def iall_gather(self, shard, numel):
-        self.calls.append(("start", numel))
-        return self.comm.iall_gather(shard, numel=numel)
+    def iall_gather(self, shard, numel=None, counts=None):
+        self.calls.append(("start", numel if counts is None else sum(counts)))
+        return self.comm.iall_gather(shard, numel=numel, counts=counts)
 
     def __getattr__(self, name):  # everything else: the communicator itself
         return getattr(self.comm, name)
