@@ -44,6 +44,9 @@ FSDP_16_BIT_TESTS = (f"{WORKING_COPY_TESTS}::test_one_rank_fsdp_in_16_bits_is_bi
 HSDP_16_BIT_TESTS = (FSDP_16_BIT_TESTS[0],  # a serial test: the run on 1 rank must select one
                      f"{WORKING_COPY_TESTS}::test_hybrid_in_16_bits_gathers_2_bytes_inside_a_shard_group_and_"
                      "all_reduces_fp32_shards",)
+EXPERTS_TESTS = "tests/parallel/test_experts.py"
+FP8_TESTS = "tests/precision/test_fp8.py"
+MANIFEST_TESTS = "tests/checkpoint/test_manifest.py"
 HSDP_NODE_TESTS = tuple(f"tests/multinode/test_nodes.py::test_hybrid_sharding_{name}" for name in (
     "sends_only_the_replicas_all_reduce_between_nodes", "kernel_counters_agree_with_the_ledger"))
 
@@ -553,4 +556,19 @@ MUTANTS = [
     Mutant("bench-saved-measures-without-pytorch", "minipar_lab/bench/saved.py",
            "    if torch_gpt.unavailable():\n        return fail(p.prog, torch_gpt.unavailable())\n", "",
            tests=(SAVED_BENCH_TESTS,)),
+    # ---- issue 41: each function a lesson excerpts has a test that calls it directly ----
+    Mutant("excerpt-route-admits-one-more-than-capacity", "minipar/core/moe.py",
+           "kept = (rank_in_expert < capacity)", "kept = (rank_in_expert <= capacity)",
+           tests=(EXPERTS_TESTS,)),
+    Mutant("excerpt-route-ties-to-the-higher-index", "minipar/core/moe.py",
+           'choice = xp.argsort(-probs, axis=-1, kind="stable")[..., :top_k]',
+           'choice = xp.argsort(probs, axis=-1, kind="stable")[..., ::-1][..., :top_k]',
+           tests=(EXPERTS_TESTS,)),
+    Mutant("excerpt-attach-aux-loss-gives-the-aux-loss-gradient-one", "minipar/core/moe.py",
+           "xp_of(g).full(ctx.aux_shape, ctx.routing.aux_grad, ctx.aux_dtype)",
+           "xp_of(g).ones(ctx.aux_shape, ctx.aux_dtype)", tests=(EXPERTS_TESTS,)),
+    Mutant("excerpt-block-product-slices-k-at-every-index", "minipar/precision/fp8.py",
+           "cut = slice(k * n, (k + 1) * n)", "cut = slice(k, k + n)", tests=(FP8_TESTS,)),
+    Mutant("excerpt-write-atomically-writes-in-place", "minipar/checkpoint/sharded.py",
+           'temporary = path.with_name(path.name + ".tmp")', "temporary = path", tests=(MANIFEST_TESTS,)),
 ]
