@@ -46,6 +46,7 @@ HSDP_16_BIT_TESTS = (FSDP_16_BIT_TESTS[0],  # a serial test: the run on 1 rank m
                      "all_reduces_fp32_shards",)
 EXPERTS_TESTS = "tests/parallel/test_experts.py"
 FP8_TESTS = "tests/precision/test_fp8.py"
+ZERO_TESTS = "tests/parallel/test_zero.py"
 MANIFEST_TESTS = "tests/checkpoint/test_manifest.py"
 HSDP_NODE_TESTS = tuple(f"tests/multinode/test_nodes.py::test_hybrid_sharding_{name}" for name in (
     "sends_only_the_replicas_all_reduce_between_nodes", "kernel_counters_agree_with_the_ledger"))
@@ -571,4 +572,24 @@ MUTANTS = [
            "cut = slice(k * n, (k + 1) * n)", "cut = slice(k, k + n)", tests=(FP8_TESTS,)),
     Mutant("excerpt-write-atomically-writes-in-place", "minipar/checkpoint/sharded.py",
            'temporary = path.with_name(path.name + ".tmp")', "temporary = path", tests=(MANIFEST_TESTS,)),
+    Mutant("excerpt-zero1-apply-optimizer-skips-the-all-gather", "minipar/parallel/zero.py",
+           "            self.update(unit, unit.grad_shard)\n            self.all_gather_params(unit)\n",
+           "            self.update(unit, unit.grad_shard)\n", tests=(ZERO_TESTS,), ranks=(2,)),
+    Mutant("excerpt-zero1-keeps-its-own-slice-unsummed", "minipar/parallel/zero.py",
+           "unit.grad_shard = self.comm.reduce_scatter(bucket)",
+           "unit.grad_shard = bucket[unit.start : unit.stop]",
+           tests=(ZERO_TESTS,), ranks=(2,)),
+    Mutant("excerpt-zero2-each-micro-batch-overwrites-the-shard", "minipar/parallel/zero.py",
+           "unit.grad_shard += self.comm.reduce_scatter(bucket)",
+           "unit.grad_shard = self.comm.reduce_scatter(bucket)",
+           tests=(ZERO_TESTS,), ranks=(2,)),
+    Mutant("excerpt-zero2-release-keeps-the-summed-shards", "minipar/parallel/zero.py",
+           "            unit.grad_shard[...] = 0  # the next step's micro-batches add into it",
+           "            pass  # the next step's micro-batches add into it", tests=(ZERO_TESTS,), ranks=(2,)),
+    Mutant("excerpt-zero2-keeps-the-full-gradients-it-sent", "minipar/parallel/zero.py",
+           "        for p in unit.params:\n            p.grad = None\n        unit.grad_shard +=",
+           "        unit.grad_shard +=", tests=(ZERO_TESTS,), ranks=(2,)),
+    Mutant("excerpt-zero2-hook-fires-before-the-units-backward", "minipar/parallel/zero.py",
+           "unit.module.register_full_backward_hook(reduce_scatter)",
+           "unit.module.register_full_backward_pre_hook(reduce_scatter)", tests=(ZERO_TESTS,), ranks=(2,)),
 ]
