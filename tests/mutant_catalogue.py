@@ -47,6 +47,7 @@ HSDP_16_BIT_TESTS = (FSDP_16_BIT_TESTS[0],  # a serial test: the run on 1 rank m
 EXPERTS_TESTS = "tests/parallel/test_experts.py"
 FP8_TESTS = "tests/precision/test_fp8.py"
 ZERO_TESTS = "tests/parallel/test_zero.py"
+OVERLAP_TESTS = "tests/parallel/test_overlap.py"
 MANIFEST_TESTS = "tests/checkpoint/test_manifest.py"
 HSDP_NODE_TESTS = tuple(f"tests/multinode/test_nodes.py::test_hybrid_sharding_{name}" for name in (
     "sends_only_the_replicas_all_reduce_between_nodes", "kernel_counters_agree_with_the_ledger"))
@@ -592,4 +593,15 @@ MUTANTS = [
     Mutant("excerpt-zero2-hook-fires-before-the-units-backward", "minipar/parallel/zero.py",
            "unit.module.register_full_backward_hook(reduce_scatter)",
            "unit.module.register_full_backward_pre_hook(reduce_scatter)", tests=(ZERO_TESTS,), ranks=(2,)),
+    Mutant("excerpt-ddp-bucket-starts-after-the-first-micro-batch", "minipar/parallel/ddp.py",
+           "if self.backwards[name] == self.microbatches:", "if self.backwards[name] == 1:",
+           tests=(OVERLAP_TESTS,), ranks=(2,)),
+    Mutant("excerpt-ddp-bucket-starts-when-any-of-its-units-is-final", "minipar/parallel/ddp.py",
+           "self.bucket_units[index] <= self.final", "self.bucket_units[index] & self.final",
+           tests=(OVERLAP_TESTS,), ranks=(2,)),
+    Mutant("excerpt-ddp-backward-count-carries-into-the-next-step", "minipar/parallel/ddp.py",
+           "        self.backwards.clear()\n", "", tests=(OVERLAP_TESTS,), ranks=(2,)),
+    Mutant("excerpt-ddp-bucket-keeps-its-own-gradients", "minipar/parallel/ddp.py",
+           "unflatten(self.all_reduce(flat), shapes)", "unflatten(flat, shapes)",
+           tests=(OVERLAP_TESTS,), ranks=(2,)),
 ]
