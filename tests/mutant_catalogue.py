@@ -604,4 +604,12 @@ MUTANTS = [
     Mutant("excerpt-ddp-bucket-keeps-its-own-gradients", "minipar/parallel/ddp.py",
            "unflatten(self.all_reduce(flat), shapes)", "unflatten(flat, shapes)",
            tests=(OVERLAP_TESTS,), ranks=(2,)),
+    Mutant("excerpt-enter-tensor-parallel-gathers-pieces-on-the-batch-dim", "minipar/parallel/placements.py",
+           "    now = Shard(1) if sequence else Replicate()",
+           "    now = Shard(0) if sequence else Replicate()",
+           tests=PLACEMENT_TESTS, ranks=(2,)),
+    Mutant("excerpt-leave-tensor-parallel-takes-the-partials-as-replicas", "minipar/parallel/placements.py",
+           "return ShardedArray(partial, tuple(partial.shape), (Partial(),), mesh)",
+           "return ShardedArray(partial, tuple(partial.shape), (Replicate(),), mesh)",
+           tests=PLACEMENT_TESTS, ranks=(2,)),
 ]
