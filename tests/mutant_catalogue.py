@@ -48,6 +48,7 @@ EXPERTS_TESTS = "tests/parallel/test_experts.py"
 FP8_TESTS = "tests/precision/test_fp8.py"
 ZERO_TESTS = "tests/parallel/test_zero.py"
 OVERLAP_TESTS = "tests/parallel/test_overlap.py"
+CHECKPOINT_TESTS = "tests/checkpoint/test_checkpoint.py"
 MANIFEST_TESTS = "tests/checkpoint/test_manifest.py"
 HSDP_NODE_TESTS = tuple(f"tests/multinode/test_nodes.py::test_hybrid_sharding_{name}" for name in (
     "sends_only_the_replicas_all_reduce_between_nodes", "kernel_counters_agree_with_the_ledger"))
@@ -612,4 +613,12 @@ MUTANTS = [
            "return ShardedArray(partial, tuple(partial.shape), (Partial(),), mesh)",
            "return ShardedArray(partial, tuple(partial.shape), (Replicate(),), mesh)",
            tests=PLACEMENT_TESTS, ranks=(2,)),
+    Mutant("excerpt-save-every-replica-writes-its-pieces", "minipar/checkpoint/sharded.py",
+           "    mine = sorted(keys - earlier, key=lambda key: key[:2])\n    file = written = None",
+           "    mine = sorted(keys, key=lambda key: key[:2])\n    file = written = None",
+           tests=(CHECKPOINT_TESTS,), ranks=(2,)),
+    Mutant("excerpt-save-counts-its-own-pieces-as-a-lower-ranks", "minipar/checkpoint/sharded.py",
+           "    earlier = set().union(*world.allgather_obj(keys)[: world.rank])  # held by a lower rank",
+           "    earlier = set().union(*world.allgather_obj(keys)[: world.rank + 1])  # held by a lower rank",
+           tests=(CHECKPOINT_TESTS,), ranks=(2,)),
 ]
