@@ -330,3 +330,45 @@ def test_zero2_hook_unit_sends_each_unit_as_backward_leaves_it_but_the_first(com
     for name, p in plain.named_parameters():
         np.testing.assert_allclose(dict(model.named_parameters())[name].data, start[name] - LR * p.grad,
                                    rtol=1e-12, atol=1e-15, err_msg=name)
+
+
+@mpi_test
+def test_zero3_hooks_make_a_unit_whole_only_for_its_forward_and_its_backward(comm):
+    """ZeroStage3.hook_unit's gather_for_forward, release_after_forward, gather_for_backward and its
+    reduce_scatter_grads (lesson 04's excerpt), without prefetch: hooks registered after ZeRO's see,
+    at each unit's forward and backward, that unit's parameters whole and every other unit's empty;
+    after the forward nothing is whole, after the backward only the first unit (its gradients wait
+    for the step). The step equals SGD on a plain copy's gradients summed over every rank's input,
+    read from the parameters the next forward gathers."""
+    model, plain = small_mlp(), small_mlp()
+    start = {name: p.data.copy() for name, p in model.named_parameters()}
+    inputs = [np.random.default_rng(100 + r).normal(size=(4, 3)) for r in range(comm.size)]
+    targets = [np.random.default_rng(200 + r).normal(size=(4, 2)) for r in range(comm.size)]
+    updater = ZeroStage3(model, optim.SGD(model.parameters(), lr=LR), comm, prefetch=False)
+    units = [unit.parameters() for _, unit in model.units()]
+
+    def whole():
+        return [all(p.data.size > 0 for p in params) for params in units]
+
+    seen, gathered = [], {}
+    for i, (_, unit) in enumerate(model.units()):
+        def at_forward(module, args, i=i):
+            seen.append(("forward", i, whole()))
+            gathered.update({id(p): p.data.copy() for p in module.parameters()})
+        unit.register_forward_pre_hook(at_forward)
+        unit.register_full_backward_pre_hook(lambda module, i=i: seen.append(("backward", i, whole())))
+    loss = model.loss(model(Tensor(inputs[comm.rank])), targets[comm.rank], 4 * comm.size)
+    assert whole() == [False, False, False]
+    loss.backward()
+    assert whole() == [True, False, False]
+    only = [[j == i for j in range(3)] for i in range(3)]
+    assert seen == [("forward", i, only[i]) for i in range(3)] + [("backward", i, only[i]) for i in (2, 1, 0)]
+    updater.synchronize_gradients()
+    assert whole() == [False, False, False]
+    updater.apply_optimizer()
+    for x, y in zip(inputs, targets):
+        plain.loss(plain(Tensor(x)), y, 4 * comm.size).backward()
+    model(Tensor(inputs[0]))  # gathers each unit in turn: at_forward copies what the step made
+    for (name, p), (_, ref) in zip(model.named_parameters(), plain.named_parameters()):
+        np.testing.assert_allclose(gathered[id(p)], start[name] - LR * ref.grad, rtol=1e-12, atol=1e-15,
+                                   err_msg=name)
