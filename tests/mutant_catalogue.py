@@ -49,6 +49,7 @@ FP8_TESTS = "tests/precision/test_fp8.py"
 ZERO_TESTS = "tests/parallel/test_zero.py"
 OVERLAP_TESTS = "tests/parallel/test_overlap.py"
 CHECKPOINT_TESTS = "tests/checkpoint/test_checkpoint.py"
+BUILD_TESTS = "tests/trainer/test_build.py"
 MANIFEST_TESTS = "tests/checkpoint/test_manifest.py"
 HSDP_NODE_TESTS = tuple(f"tests/multinode/test_nodes.py::test_hybrid_sharding_{name}" for name in (
     "sends_only_the_replicas_all_reduce_between_nodes", "kernel_counters_agree_with_the_ledger"))
@@ -631,4 +632,15 @@ MUTANTS = [
     Mutant("excerpt-zero3-gathers-for-backward-after-the-units-backward", "minipar/parallel/zero3.py",
            "module.register_full_backward_pre_hook(gather_for_backward)",
            "module.register_full_backward_hook(gather_for_backward)", tests=(ZERO_TESTS,), ranks=(2,)),
+    Mutant("excerpt-build-ddp-only-when-dp-exceeds-one", "minipar/trainer/build.py",
+           "if cfg.zero == 0 and grid.dp_cp.size > 1:", "if cfg.zero == 0 and grid.dp.size > 1:",
+           tests=(BUILD_TESTS,), ranks=(2,)),
+    Mutant("excerpt-build-zero3-over-dp-without-cp", "minipar/trainer/build.py",
+           "return ZeroStage3(model, optimizer_of([]), grid.dp_cp,",
+           "return ZeroStage3(model, optimizer_of([]), grid.dp,",
+           tests=(BUILD_TESTS,), ranks=(2,)),
+    Mutant("excerpt-build-zero-1-2-over-dp-without-cp", "minipar/trainer/build.py",
+           "return stage(model, optimizer_of([]), grid.dp_cp)",
+           "return stage(model, optimizer_of([]), grid.dp)",
+           tests=(BUILD_TESTS,), ranks=(2,)),
 ]
