@@ -50,6 +50,7 @@ ZERO_TESTS = "tests/parallel/test_zero.py"
 OVERLAP_TESTS = "tests/parallel/test_overlap.py"
 CHECKPOINT_TESTS = "tests/checkpoint/test_checkpoint.py"
 BUILD_TESTS = "tests/trainer/test_build.py"
+TENSOR_TESTS = "tests/parallel/test_tensor_parallel.py"
 MANIFEST_TESTS = "tests/checkpoint/test_manifest.py"
 HSDP_NODE_TESTS = tuple(f"tests/multinode/test_nodes.py::test_hybrid_sharding_{name}" for name in (
     "sends_only_the_replicas_all_reduce_between_nodes", "kernel_counters_agree_with_the_ledger"))
@@ -643,4 +644,10 @@ MUTANTS = [
            "return stage(model, optimizer_of([]), grid.dp_cp)",
            "return stage(model, optimizer_of([]), grid.dp)",
            tests=(BUILD_TESTS,), ranks=(2,)),
+    Mutant("excerpt-vocab-ce-sums-the-row-maxima", "minipar/parallel/tensor.py",
+           'row_max = comm.all_reduce(logits.max(axis=-1), op="max")',
+           "row_max = comm.all_reduce(logits.max(axis=-1))", tests=(TENSOR_TESTS,), ranks=(2,)),
+    Mutant("excerpt-vocab-ce-counts-the-first-padding-column", "minipar/parallel/tensor.py",
+           "logits = xp.where(columns < vocab_size, logits, -xp.inf)",
+           "logits = xp.where(columns <= vocab_size, logits, -xp.inf)", tests=(TENSOR_TESTS,), ranks=(2,)),
 ]
