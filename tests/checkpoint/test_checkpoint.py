@@ -23,6 +23,7 @@ from one_process import assert_trains_like_one_process
 from minipar.checkpoint.sharded import CheckpointError
 from minipar.core.shards import Shard, shard_bounds
 from minipar.parallel.logical_state import Piece, assemble
+from minipar.trainer import build
 from minipar.trainer import loop as train
 from minipar.trainer.config import TrainConfig
 from minipar.trainer.validate import validate
@@ -363,3 +364,36 @@ def test_resume_in_the_same_layout_is_bitwise_the_uninterrupted_run(case, saved_
     layout, precision = case
     cfg = configured(TINY, layout).replace(precision=precision)
     assert_resumed_run_is_the_whole_run(cfg, cfg.replace(steps=saved_at), cfg)
+
+
+# ---- save's split of the writing (lesson 12's excerpt): each piece written once, by its lowest holder --
+
+
+@needs_world_size(2)
+@mpi_test
+def test_save_writes_each_piece_once_on_the_lowest_rank_that_holds_it():
+    """DDP's replicas hold the same pieces: rank 0 writes every parameter and moment, rank 1's file holds
+    nothing. ZeRO-1 shards the parameters and the moments: each rank writes its own slices, and the
+    slices of each tensor add up to its size exactly once."""
+    sizes = {name: p.size for name, p in build.build_model(TINY.replace(dp=1), None).named_parameters()}
+    everything = {f"{name}/{kind}" for name in sizes for kind in ("param", "exp_avg", "exp_avg_sq")}
+    for zero in (0, 1):
+        directory = shared_directory()
+        try:
+            train.Trainer(TINY.replace(dp=2, zero=zero, steps=1, save=str(directory)), WORLD).run()
+            WORLD.Barrier()
+            files = sorted(directory.glob("*/rank*.npz"))
+            assert [f.name for f in files] == ["rank00000.npz", "rank00001.npz"]
+            held = [dict(np.load(f)) for f in files]
+        finally:
+            WORLD.Barrier()
+            if WORLD.rank == 0:
+                shutil.rmtree(directory)
+        if zero == 0:
+            assert set(held[0]) == everything and held[1] == {}
+            continue
+        for key in everything:
+            name, kind = key.split("/")
+            written = sum(h[key].size for h in held if key in h)
+            assert written == sizes[name], (zero, key, written, sizes[name])
+        assert any(key.endswith("exp_avg") for key in held[1])

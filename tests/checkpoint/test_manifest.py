@@ -197,3 +197,26 @@ def test_digest_is_of_the_content(saved):
     assert manifest["run"] == {"lr": TINY.lr, "weight_decay": TINY.weight_decay,
                                "batch_size": TINY.batch_size}
     assert np.isfinite(manifest["run"]["lr"])
+
+
+# ---- write_atomically (lesson 12's excerpt): a reader sees the old file or the new, whole -----------------
+
+
+def test_write_atomically_replaces_the_file_whole_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "shard.npz"
+    path.write_bytes(b"old contents")
+    sharded.write_atomically(path, b"0123456789abcdef", rank=0, phase="shard")
+    assert path.read_bytes() == b"0123456789abcdef"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.npz"]
+
+
+def test_a_crash_halfway_through_write_atomically_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    """MINIPAR_FAULT stops the writer after the first half (distributed/faults.py): the file at PATH must
+    still be the old one, byte for byte; only PATH.tmp holds the half written."""
+    path = tmp_path / "manifest.json"
+    path.write_bytes(b"the committed manifest")
+    monkeypatch.setenv("MINIPAR_FAULT", "rank:0,save:manifest")
+    with pytest.raises(RuntimeError, match="injected fault on rank 0 while saving its manifest"):
+        sharded.write_atomically(path, b"0123456789abcdef", rank=0, phase="manifest")
+    assert path.read_bytes() == b"the committed manifest"
+    assert (tmp_path / "manifest.json.tmp").read_bytes() == b"01234567"

@@ -22,7 +22,7 @@ from mpi_harness import at_world_size, mpi_given, needs_world_size
 from one_process import assert_trains_like_one_process
 
 from minipar.core.autograd import Tensor
-from minipar.core.moe import MoEConfig, MoEGPT, MoELayer
+from minipar.core.moe import AttachAuxLoss, MoEConfig, MoEGPT, MoELayer, RoutingStats, route
 from minipar.core.nn import GPTConfig
 from minipar.distributed.collectives import all_to_all
 from minipar.distributed.communicator import Comm
@@ -141,6 +141,57 @@ def test_an_exact_integer_capacity_keeps_exactly_that_many_tokens():
     ref_out, _, ref_kept = reference_moe(x, layer_params(layer), 5, 2, 1.1)
     np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-14)
     assert list(ref_kept) == [22, 22, 0, 0, 0]
+
+
+ROUTED = np.array([[0.5, 0.3, 0.2],    # t0: experts 0, 1
+                   [0.2, 0.2, 0.6],    # t1: 2, then 0 (0 and 1 tie: the lower index)
+                   [0.6, 0.1, 0.3],    # t2: 0, 2
+                   [0.4, 0.4, 0.2]])   # t3: 0 and 1 tie: 0, then 1
+
+
+def test_route_worked_by_hand():
+    """route (lesson 15's excerpt) on the table above, k 2, capacity 2, two sequences alike. Each
+    sequence's queue is taken in position order, a token's first choice before its second: expert 0
+    receives t0, t1, t2, t3 (slots 0-3, the last two over capacity), expert 1 t0, t3, expert 2 t1, t2.
+    The second sequence starts its queues afresh."""
+    choice, kept, counts, slot = route(np.stack([ROUTED, ROUTED]), top_k=2, capacity=2)
+    for b in range(2):
+        assert choice[b].tolist() == [[0, 1], [2, 0], [0, 2], [0, 1]]
+        assert slot[b].tolist() == [[0, 0], [0, 1], [2, 1], [3, 1]]
+        assert kept[b].tolist() == [[True, True], [True, True], [False, True], [False, True]]
+        assert counts[b].tolist() == [4, 2, 2]  # before dropping
+
+
+@pytest.mark.parametrize("B,T,E,k,capacity", [(2, 7, 4, 2, 3), (1, 9, 3, 3, 2), (3, 5, 5, 1, 1)])
+def test_route_equals_a_loop_over_positions(B, T, E, k, capacity):
+    """Against the definition, one assignment at a time; probabilities drawn from a few values, so ties
+    are common."""
+    probs = np.random.default_rng(B * T + E).choice([0.1, 0.2, 0.3, 0.4], size=(B, T, E))
+    choice, kept, counts, slot = route(probs, k, capacity)
+    for b in range(B):
+        queue = [0] * E
+        for t in range(T):
+            best = sorted(range(E), key=lambda e: (-probs[b, t, e], e))[:k]
+            assert choice[b, t].tolist() == best
+            for j, e in enumerate(best):
+                assert (slot[b, t, j], kept[b, t, j]) == (queue[e], queue[e] < capacity)
+                queue[e] += 1
+        assert counts[b].tolist() == queue
+
+
+def test_attach_aux_loss_is_the_identity_and_gives_the_aux_loss_its_gradient():
+    """AttachAuxLoss (lesson 15's excerpt): forward hands x on unchanged; backward passes x's gradient
+    on and gives the aux loss `routing.aux_grad` (coef / sequences), whatever the output's gradient."""
+    x = Tensor(np.arange(6.0).reshape(2, 3), requires_grad=True)
+    aux = Tensor(np.array(0.7), requires_grad=True)
+    routing = RoutingStats(3)
+    routing.aux_grad = 0.125
+    out = AttachAuxLoss.apply(x, aux, routing)
+    np.testing.assert_array_equal(out.data, x.data)
+    weights = np.array([[1.0, -2.0, 3.0], [0.5, 0.0, -1.5]])
+    (out * Tensor(weights)).sum().backward()
+    np.testing.assert_array_equal(x.grad, weights)
+    assert aux.grad.shape == () and float(aux.grad) == 0.125
 
 
 def small_moe(seed=0, k=2, factor=0.75, coef=0.5):

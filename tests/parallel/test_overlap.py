@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_harness import at_world_size, mpi_given, mpi_test
 
+from minipar.core import nn, optim
+from minipar.core.autograd import Tensor
 from minipar.core.shards import padded_numel
 from minipar.distributed import watchdog
 from minipar.distributed.communicator import Comm
@@ -175,6 +177,35 @@ def test_a_late_gradient_on_one_parameter_of_a_shared_bucket_is_summed_too(comm)
         summed[no_overlap] = {name: p.grad.copy() for name, p in engine.model.named_parameters()}
     for name, want in summed[True].items():
         np.testing.assert_allclose(summed[False][name], want, rtol=1e-12, atol=1e-15, err_msg=name)
+
+
+@mpi_test
+def test_ddp_unit_done_hook_starts_a_bucket_once_every_unit_in_it_has_had_its_last_micro_batch(comm):
+    """unit_done_hook and start_ready_buckets (lesson 03's excerpt) on a 3-layer MLP, 2 micro-batches,
+    buckets of at most 40 values: [layers.2's 12, layers.1's bias 5], [layers.1's weight 25,
+    layers.0's bias 5], [layers.0's weight 15] (parameters last first). A bucket starts only when each
+    of its units has seen its 2nd backward: none after the first micro-batch, only bucket 0 after the
+    second (bucket 1 waits for layers.0, whose input needs no gradient: finish_overlapped sums it). The
+    sums equal a plain copy's gradients over every rank's micro-batches, and a second step starts
+    its count afresh."""
+    model, plain = (nn.MLPNet(nn.MLPConfig(d_in=3, d_hidden=5, d_out=2, n_layer=3), seed=3) for _ in range(2))
+    updater = DistributedDataParallel(model, optim.SGD(model.parameters()), comm, bucket_mb=40 * 8 / MiB,
+                                      overlap=True, microbatches=2)
+    assert [len(b) for b in updater.buckets] == [3, 2, 1]
+    batches = [[(np.random.default_rng([r, m, 1]).normal(size=(2, 3)),
+                 np.random.default_rng([r, m, 2]).normal(size=(2, 2))) for m in range(2)]
+               for r in range(comm.size)]
+    for x, y in (batch for rank in batches for batch in rank):
+        plain.loss(plain(Tensor(x)), y, 4).backward()
+    for step in range(2):
+        model.zero_grad()
+        for m, (x, y) in enumerate(batches[comm.rank]):
+            model.loss(model(Tensor(x)), y, 4).backward()
+            assert sorted(updater.in_flight) == ([] if m == 0 else [0]), (step, m, sorted(updater.in_flight))
+        updater.synchronize_gradients()
+        assert updater.started_in_backward == 1
+        for (name, p), (_, want) in zip(model.named_parameters(), plain.named_parameters()):
+            np.testing.assert_allclose(p.grad, want.grad, rtol=1e-12, atol=1e-15, err_msg=f"{step}: {name}")
 
 
 # ---- ZeRO-3's prefetch ----

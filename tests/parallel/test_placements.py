@@ -16,7 +16,16 @@ from mpi_harness import at_world_size, mpi_given, needs_world_size
 
 from minipar.core.autograd import Tensor
 from minipar.distributed.ledger import ring_bytes_sent
-from minipar.parallel.placements import DeviceMesh, Partial, Replicate, Shard, ShardedArray, chunk_bounds
+from minipar.parallel.placements import (
+    DeviceMesh,
+    Partial,
+    Replicate,
+    Shard,
+    ShardedArray,
+    chunk_bounds,
+    enter_tensor_parallel,
+    leave_tensor_parallel,
+)
 
 PLACEMENTS = [Shard(0), Shard(1), Replicate(), Partial()]
 
@@ -169,6 +178,39 @@ def test_redistribute_values_bytes_and_gradients(comm, rows, cols, seed, picks):
 
 def sent_by_dim(comm) -> dict:
     return {dim: nbytes for dim, nbytes in comm.ledger.step_report()["by_dim"].items() if nbytes}
+
+
+@needs_world_size(2)
+@mpi_given(max_examples=3, seed=st.integers(0, 2**16), sequence=st.booleans())
+def test_enter_and_leave_tensor_parallel_by_hand(comm, seed, sequence):
+    """enter_tensor_parallel and leave_tensor_parallel (lesson 04b's excerpt) against what Megatron's f
+    and g do, written out from every rank's draws. Without sequence parallelism: enter is the identity
+    forward and sums the ranks' gradients backward; leave sums the ranks' partial results forward and
+    hands each rank's own gradient back. With it: enter gathers the (b, s/2, h) pieces along the sequence
+    forward and gives each rank its positions of the summed gradient backward; leave gives each rank
+    its positions of the summed partials, and gathers the pieces' gradients backward."""
+    tp = comm.split(0, comm.rank, "tp", reuse=("test",))
+    mesh, n, me = DeviceMesh({"tp": tp}), comm.size, comm.rank
+
+    def draw(rank, what, shape):
+        return numpy.random.default_rng([seed, rank, what]).standard_normal(shape)
+
+    b, s, h = 2, 4, 3
+    piece = (b, s // n, h) if sequence else (b, s, h)
+    mine = slice(me * (s // n), (me + 1) * (s // n)) if sequence else slice(None)
+    x = Tensor(draw(0 if not sequence else me, 0, piece), True)  # Replicate: rank 0's draw on every rank
+    y = enter_tensor_parallel(x, mesh, sequence)
+    y.backward(draw(me, 1, (b, s, h)))
+    whole_x = numpy.concatenate([draw(r, 0, piece) for r in range(n)], axis=1) if sequence else x.data
+    assert numpy.array_equal(y.data, whole_x)
+    numpy.testing.assert_allclose(x.grad, sum(draw(r, 1, (b, s, h)) for r in range(n))[:, mine], rtol=1e-15)
+
+    partial = Tensor(draw(me, 2, (b, s, h)), True)
+    z = leave_tensor_parallel(partial, mesh, sequence)
+    z.backward(draw(me, 3, piece))
+    numpy.testing.assert_allclose(z.data, sum(draw(r, 2, (b, s, h)) for r in range(n))[:, mine], rtol=1e-15)
+    every = [draw(r, 3, piece) for r in range(n)]
+    assert numpy.array_equal(partial.grad, numpy.concatenate(every, axis=1) if sequence else every[me])
 
 
 @needs_world_size(2)

@@ -235,6 +235,38 @@ def test_vocab_parallel_cross_entropy(comm, seed, vocab, rows):
                  "gradient: softmax minus one-hot, zero in the padding")
 
 
+@mpi_given(max_examples=3, seed=seeds)
+def test_vocab_parallel_cross_entropy_far_from_zero_and_its_correct_count(comm, seed):
+    """VocabParallelCrossEntropy (lesson 05's excerpt) at logits near 800, where exp overflows unless
+    each row is shifted by its maximum over every rank's columns, against the summed cross-entropy,
+    softmax minus one-hot and the argmax written here in NumPy. 7 words over the ranks, so the last
+    rank has padding (junk at 900, which the loss must ignore). Half the targets are their row's
+    largest logit: `correct` must say which."""
+    rng = np.random.default_rng([seed, 12])
+    rows, vocab = 6, 7
+    full = 800.0 + rng.standard_normal((rows, vocab)) * 4
+    targets = rng.integers(0, vocab, size=rows)
+    targets[::2] = full[::2].argmax(axis=1)
+    shift = full.max(axis=1, keepdims=True)
+    probs = np.exp(full - shift) / np.exp(full - shift).sum(axis=1, keepdims=True)
+    log_sum_exp = shift[:, 0] + np.log(np.exp(full - shift).sum(axis=1))
+    want_loss = float(np.sum(log_sum_exp - full[range(rows), targets]))
+    want_grad = probs.copy()
+    want_grad[range(rows), targets] -= 1
+    start, stop = padded_bounds(vocab, comm.size, comm.rank)
+    mine = np.full((rows, stop - start), 900.0)  # padding columns: junk above every real logit
+    real = min(stop, vocab) - start
+    mine[:, : max(real, 0)] = full[:, start : start + max(real, 0)]
+    logits = Tensor(mine, requires_grad=True)
+    correct = np.zeros(rows, dtype=bool)
+    loss = vocab_parallel_cross_entropy(logits, targets, start, vocab, comm, correct)
+    loss.backward()
+    assert_close(loss.data, want_loss, "loss")
+    assert_close(logits.grad[:, : max(real, 0)], want_grad[:, start : start + max(real, 0)], "gradient")
+    assert not logits.grad[:, max(real, 0) :].any()
+    assert correct.tolist() == (full.argmax(axis=1) == targets).tolist()
+
+
 # ----- multi-rank: the whole GPT -------------------------------------------------------------------------
 
 

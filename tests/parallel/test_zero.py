@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_harness import mpi_given, mpi_test, needs_world_size
 
+from minipar.core import nn, optim
+from minipar.core.autograd import Tensor
 from minipar.core.shards import padded_numel
 from minipar.memory import planner
 from minipar.memory.ledger import buffer_meter
@@ -234,3 +236,139 @@ def test_zero_composes_with_pipeline_and_tensor_parallelism(comm, stage, layout)
     full = trainer.full_state()
     if comm.rank == 0:
         assert_matches_reference(cfg, records, full)
+
+
+# ---- the step's own methods (lesson 04's excerpts), called one by one on a small MLP ----
+
+LR = 0.5
+
+
+def small_mlp():
+    """3 layers of 3·5+5 = 20, 5·5+5 = 30 and 5·2+2 = 12 parameters: at dp 4 the first unit is padded."""
+    return nn.MLPNet(nn.MLPConfig(d_in=3, d_hidden=5, d_out=2, n_layer=3), seed=3)
+
+
+def rank_grads(model, rank: int, microbatch: int = 0) -> dict:
+    """The gradient rank `rank` would hold for each parameter: a draw every rank can repeat."""
+    return {name: np.random.default_rng([rank, microbatch, i]).normal(size=p.data.shape)
+            for i, (name, p) in enumerate(model.named_parameters())}
+
+
+def set_grads(model, grads: dict) -> None:
+    for name, p in model.named_parameters():
+        p.grad = grads[name].copy()
+
+
+def sgd_on_the_summed_gradients(start: dict, n: int, microbatches: int) -> dict:
+    """SGD by hand: each parameter minus LR times the sum over ranks and micro-batches."""
+    probe = small_mlp()
+    draws = [rank_grads(probe, r, m) for r in range(n) for m in range(microbatches)]
+    return {name: start[name] - LR * sum(grads[name] for grads in draws) for name in start}
+
+
+@mpi_test
+def test_zero1_step_methods_update_every_parameter_with_the_summed_gradient(comm):
+    """ZeroStage1's synchronize_gradients (reduce-scatter), apply_optimizer (update this rank's shard,
+    then all_gather_params): afterwards every rank holds every parameter, each moved by the sum of the
+    ranks' gradients, as SGD written by hand moves it."""
+    model = small_mlp()
+    start = {name: p.data.copy() for name, p in model.named_parameters()}
+    updater = ZeroStage1(model, optim.SGD(model.parameters(), lr=LR), comm)
+    set_grads(model, rank_grads(model, comm.rank))
+    updater.synchronize_gradients()
+    updater.apply_optimizer()
+    updater.release_gradients()
+    for name, want in sgd_on_the_summed_gradients(start, comm.size, 1).items():
+        np.testing.assert_allclose(dict(model.named_parameters())[name].data, want, rtol=1e-13, atol=1e-15,
+                                   err_msg=name)
+
+
+@mpi_test
+def test_zero2_reduce_scatter_grads_adds_each_micro_batch_and_release_starts_the_next_step_afresh(comm):
+    """ZeroStage2: a unit's reduce_scatter_grads (what its backward hook calls) adds to this rank's
+    shard and drops the full gradients; synchronize_gradients sends what no hook sent; two micro-batches
+    sum. After release_gradients, a second step moves the parameters by its own gradients only."""
+    model = small_mlp()
+    start = {name: p.data.copy() for name, p in model.named_parameters()}
+    updater = ZeroStage2(model, optim.SGD(model.parameters(), lr=LR), comm)
+    set_grads(model, rank_grads(model, comm.rank, 0))
+    for unit in updater.units:
+        updater.reduce_scatter_grads(unit)
+    assert all(p.grad is None for p in model.parameters())
+    set_grads(model, rank_grads(model, comm.rank, 1))
+    updater.synchronize_gradients()
+    updater.apply_optimizer()
+    updater.release_gradients()
+    after_one = sgd_on_the_summed_gradients(start, comm.size, 2)
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(p.data, after_one[name], rtol=1e-13, atol=1e-15, err_msg=name)
+    set_grads(model, rank_grads(model, comm.rank, 0))
+    updater.synchronize_gradients()
+    updater.apply_optimizer()
+    after_two = sgd_on_the_summed_gradients(after_one, comm.size, 1)
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(p.data, after_two[name], rtol=1e-13, atol=1e-15, err_msg=name)
+
+
+@mpi_test
+def test_zero2_hook_unit_sends_each_unit_as_backward_leaves_it_but_the_first(comm):
+    """ZeroStage2.hook_unit: after a backward, every unit but the first (its input, the data, needs no
+    gradient) has sent its gradients and holds none; the step then equals SGD on the gradients of a
+    plain copy of the model, summed over the ranks' inputs by hand."""
+    model, plain = small_mlp(), small_mlp()
+    start = {name: p.data.copy() for name, p in model.named_parameters()}
+    inputs = [np.random.default_rng(100 + r).normal(size=(4, 3)) for r in range(comm.size)]
+    targets = [np.random.default_rng(200 + r).normal(size=(4, 2)) for r in range(comm.size)]
+    updater = ZeroStage2(model, optim.SGD(model.parameters(), lr=LR), comm)
+    model.loss(model(Tensor(inputs[comm.rank])), targets[comm.rank], 4 * comm.size).backward()
+    held = [all(p.grad is not None for p in unit.params) for unit in updater.units]
+    assert held == [True, False, False], held
+    updater.synchronize_gradients()
+    updater.apply_optimizer()
+    for x, y in zip(inputs, targets):  # every rank's backward, on one process: the gradients add up
+        plain.loss(plain(Tensor(x)), y, 4 * comm.size).backward()
+    for name, p in plain.named_parameters():
+        np.testing.assert_allclose(dict(model.named_parameters())[name].data, start[name] - LR * p.grad,
+                                   rtol=1e-12, atol=1e-15, err_msg=name)
+
+
+@mpi_test
+def test_zero3_hooks_make_a_unit_whole_only_for_its_forward_and_its_backward(comm):
+    """ZeroStage3.hook_unit's gather_for_forward, release_after_forward, gather_for_backward and its
+    reduce_scatter_grads (lesson 04's excerpt), without prefetch: hooks registered after ZeRO's see,
+    at each unit's forward and backward, that unit's parameters whole and every other unit's empty;
+    after the forward nothing is whole, after the backward only the first unit (its gradients wait
+    for the step). The step equals SGD on a plain copy's gradients summed over every rank's input,
+    read from the parameters the next forward gathers."""
+    model, plain = small_mlp(), small_mlp()
+    start = {name: p.data.copy() for name, p in model.named_parameters()}
+    inputs = [np.random.default_rng(100 + r).normal(size=(4, 3)) for r in range(comm.size)]
+    targets = [np.random.default_rng(200 + r).normal(size=(4, 2)) for r in range(comm.size)]
+    updater = ZeroStage3(model, optim.SGD(model.parameters(), lr=LR), comm, prefetch=False)
+    units = [unit.parameters() for _, unit in model.units()]
+
+    def whole():
+        return [all(p.data.size > 0 for p in params) for params in units]
+
+    seen, gathered = [], {}
+    for i, (_, unit) in enumerate(model.units()):
+        def at_forward(module, args, i=i):
+            seen.append(("forward", i, whole()))
+            gathered.update({id(p): p.data.copy() for p in module.parameters()})
+        unit.register_forward_pre_hook(at_forward)
+        unit.register_full_backward_pre_hook(lambda module, i=i: seen.append(("backward", i, whole())))
+    loss = model.loss(model(Tensor(inputs[comm.rank])), targets[comm.rank], 4 * comm.size)
+    assert whole() == [False, False, False]
+    loss.backward()
+    assert whole() == [True, False, False]
+    only = [[j == i for j in range(3)] for i in range(3)]
+    assert seen == [("forward", i, only[i]) for i in range(3)] + [("backward", i, only[i]) for i in (2, 1, 0)]
+    updater.synchronize_gradients()
+    assert whole() == [False, False, False]
+    updater.apply_optimizer()
+    for x, y in zip(inputs, targets):
+        plain.loss(plain(Tensor(x)), y, 4 * comm.size).backward()
+    model(Tensor(inputs[0]))  # gathers each unit in turn: at_forward copies what the step made
+    for (name, p), (_, ref) in zip(model.named_parameters(), plain.named_parameters()):
+        np.testing.assert_allclose(gathered[id(p)], start[name] - LR * ref.grad, rtol=1e-12, atol=1e-15,
+                                   err_msg=name)

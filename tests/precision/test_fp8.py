@@ -82,6 +82,18 @@ def block_reference(a, b, n, a_tiles_along_k, b_kind):
     return out
 
 
+def test_block_product_is_the_product_of_the_dequantized_operands():
+    """block_product (lesson 09b's excerpt) on its own: qa (3 x 6) with a 1/scale per row and 2-wide
+    K-slice, qb (6 x 4) with one per K-slice and column; the result is (qa * a's 1/scales spread over
+    each slice) @ (qb * b's likewise). Small integers and powers of two: every sum is exact."""
+    rng = np.random.default_rng(5)
+    n = 2
+    qa, qb = rng.integers(-8, 9, (3, 6)).astype(float), rng.integers(-8, 9, (6, 4)).astype(float)
+    a_inv, b_inv = np.exp2(rng.integers(-4, 5, (3, 3))), np.exp2(rng.integers(-4, 5, (3, 4)))
+    expected = (qa * np.repeat(a_inv, n, axis=1)) @ (qb * np.repeat(b_inv, n, axis=0))
+    np.testing.assert_array_equal(fp8.block_product(qa, a_inv, qb, b_inv, n), expected)
+
+
 def test_block_scaled_products_equal_the_reference_of_each_role():
     """DeepSeek-V3's scales: forward x (1xn) @ W^T (nxn); input_grad g (1xn) @ W (the same nxn
     blocks of W); weight_grad g^T @ x, both tiled n tokens by 1 channel. W is 4 x 6 (out x in) with
