@@ -457,4 +457,17 @@ MUTANTS = [
     Mutant("bench-saved-measures-without-pytorch", "minipar_lab/bench/saved.py",
            "    if torch_gpt.unavailable():\n        return fail(p.prog, torch_gpt.unavailable())\n", "",
            tests=(SAVED_BENCH_TESTS,)),
+    # ---- issue 42: every exercise in a training path graded by the technique's end-to-end test ----
+    Mutant("course-buckets-graded-without-a-ddp-run", "minipar_lab/course/exercises.py",
+           'test_ddp_trains_to_the_single_process_losses_and_weights",\n              "dp differs from one '
+           'process: a gradient in no bucket',
+           'test_each_step_sends_the_ring_all_reduce_of_the_gradient_bytes",\n              "dp differs from '
+           'one process: a gradient in no bucket',
+           tests=("tests/course/test_course.py",)),
+    Mutant("course-zero1-graded-without-a-two-rank-run", "minipar_lab/course/exercises.py",
+           '"parallel/test_zero.py::test_zero_trains_to_the_single_process_losses_and_weights",\n'
+           '              "ZeRO must train',
+           '"parallel/test_zero.py::test_stage3_sends_one_and_a_half_times_stage1",\n'
+           '              "ZeRO must train',
+           tests=("tests/course/test_course.py",)),
 ]
