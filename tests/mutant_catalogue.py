@@ -470,4 +470,9 @@ MUTANTS = [
            '"parallel/test_zero.py::test_stage3_sends_one_and_a_half_times_stage1",\n'
            '              "ZeRO must train',
            tests=("tests/course/test_course.py",)),
+    Mutant("course-detail-shows-numpys-empty-assertion-line-alone", "minipar_lab/course/grading.py",
+           'if merged and merged[-1].endswith(":"):', 'if merged and merged[-1].endswith("::"):',
+           tests=("tests/course/test_grading.py",)),
+    Mutant("course-detail-names-no-line-of-the-test", "minipar_lab/course/grading.py",
+           "        if frame:\n", "        if frame and False:\n", tests=("tests/course/test_grading.py",)),
 ]
