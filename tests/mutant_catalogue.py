@@ -475,4 +475,8 @@ MUTANTS = [
            tests=("tests/course/test_grading.py",)),
     Mutant("course-detail-names-no-line-of-the-test", "minipar_lab/course/grading.py",
            "        if frame:\n", "        if frame and False:\n", tests=("tests/course/test_grading.py",)),
+    Mutant("schedule-check-counts-micro-batches-on-the-first-stage", "minipar/parallel/schedules.py",
+           "    listed = max(sum(len(action.parts()) for action in actions) for actions in schedule)",
+           "    listed = sum(len(action.parts()) for action in schedule[0])",
+           tests=("tests/parallel/test_schedules.py",)),
 ]
