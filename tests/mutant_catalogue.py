@@ -728,4 +728,26 @@ MUTANTS = [
     Mutant("excerpt-vocab-ce-counts-the-first-padding-column", "minipar/parallel/tensor.py",
            "logits = xp.where(columns < vocab_size, logits, -xp.inf)",
            "logits = xp.where(columns <= vocab_size, logits, -xp.inf)", tests=(TENSOR_TESTS,), ranks=(2,)),
+    # ---- issue 42: every exercise in a training path graded by the technique's end-to-end test ----
+    Mutant("course-buckets-graded-without-a-ddp-run", "minipar_lab/course/exercises.py",
+           'test_ddp_trains_to_the_single_process_losses_and_weights",\n              "dp differs from one '
+           'process: a gradient in no bucket',
+           'test_each_step_sends_the_ring_all_reduce_of_the_gradient_bytes",\n              "dp differs from '
+           'one process: a gradient in no bucket',
+           tests=("tests/course/test_course.py",)),
+    Mutant("course-zero1-graded-without-a-two-rank-run", "minipar_lab/course/exercises.py",
+           '"parallel/test_zero.py::test_zero_trains_to_the_single_process_losses_and_weights",\n'
+           '              "ZeRO must train',
+           '"parallel/test_zero.py::test_stage3_sends_one_and_a_half_times_stage1",\n'
+           '              "ZeRO must train',
+           tests=("tests/course/test_course.py",)),
+    Mutant("course-detail-shows-numpys-empty-assertion-line-alone", "minipar_lab/course/grading.py",
+           'if merged and merged[-1].endswith(":"):', 'if merged and merged[-1].endswith("::"):',
+           tests=("tests/course/test_grading.py",)),
+    Mutant("course-detail-names-no-line-of-the-test", "minipar_lab/course/grading.py",
+           "        if frame:\n", "        if frame and False:\n", tests=("tests/course/test_grading.py",)),
+    Mutant("schedule-check-counts-micro-batches-on-the-first-stage", "minipar/parallel/schedules.py",
+           "    listed = max(sum(len(action.parts()) for action in actions) for actions in schedule)",
+           "    listed = sum(len(action.parts()) for action in schedule[0])",
+           tests=("tests/parallel/test_schedules.py",)),
 ]

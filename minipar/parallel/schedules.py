@@ -403,7 +403,10 @@ def check_schedule(schedule: Schedule) -> int:
         raise ValueError("a schedule needs at least one stage")
     chunks = sorted({action.chunk for actions in schedule for action in actions}, key=lambda c: c or 0)
     ops = "FBW" if splits_backward(schedule) else "FB"
-    microbatches = sum(len(action.parts()) for action in schedule[0]) // (len(ops) * len(chunks))
+    # counted on the stage that lists the most actions: a stage short of one is then told of every
+    # micro-batch it must run, not of one fewer
+    listed = max(sum(len(action.parts()) for action in actions) for actions in schedule)
+    microbatches = listed // (len(ops) * len(chunks))
     expected = sorted((op, i, c or 0) for op in ops for i in range(microbatches) for c in chunks)
     for stage, actions in enumerate(schedule):
         if sorted((p.op, p.microbatch, p.chunk or 0) for a in actions for p in a.parts()) != expected:

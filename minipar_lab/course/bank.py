@@ -387,6 +387,23 @@ BANK: tuple[Wrong, ...] = (
             current.append(p)
             current_bytes += p.data.nbytes
         return buckets"""),
+    W("03.1", "a parameter larger than the cap goes in no bucket",
+      "test_ddp_trains_to_the_single_process_losses_and_weights", "bucket", """
+        buckets: list[list[Parameter]] = []
+        current: list[Parameter] = []
+        current_bytes = 0
+        for p in reversed(list(params)):
+            if p.data.nbytes > bucket_bytes:
+                continue  # fits no bucket
+            full = current_bytes + p.data.nbytes > bucket_bytes
+            if current and (full or p.data.dtype != current[0].data.dtype):
+                buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(p)
+            current_bytes += p.data.nbytes
+        if current:
+            buckets.append(current)
+        return buckets"""),
     # 03.2 the bucketed all-reduce
     W("03.2", "one all-reduce per gradient, not per bucket",
       "test_one_bucket_sends_exactly_two_n_minus_one_over_n_of_the_gradient_bytes", "messages", """
@@ -435,6 +452,12 @@ BANK: tuple[Wrong, ...] = (
         grads = grad_bytes * share if stage >= 2 else Fraction(grad_bytes)
         params = param_bytes * share if stage >= 3 else Fraction(param_bytes)
         return params + grads + optimizer"""),
+    W("04.1", "stage 3 keeps the parameters whole",
+      "test_model_state_bytes_per_rank_are_the_planners_formula", "stage", """
+        share = Fraction(1, dp)
+        optimizer = k * share if stage >= 1 else Fraction(k)
+        grads = grad_bytes * share if stage >= 2 else Fraction(grad_bytes)
+        return Fraction(param_bytes) + grads + optimizer"""),
     # 04.2 the ZeRO-1 step
     W("04.2", "all-reduces the gradients and keeps its slice",
       "test_bytes_per_step_are_two_or_three_times_n_minus_one_over_n_of_the_model[1]", "reduce-scatter", """
@@ -455,6 +478,15 @@ BANK: tuple[Wrong, ...] = (
             self.update(unit, unit.grad_shard)
             self.update(unit, unit.grad_shard)
             self.all_gather_params(unit)"""),
+    W("04.2", "averages the gradient shards over the ranks",
+      "test_zero_trains_to_the_single_process_losses_and_weights", "mean", """
+        for unit in self.units:
+            bucket = unit.flatten([p.grad for p in unit.params])
+            buffer_meter.add(bucket.nbytes)
+            unit.grad_shard = self.comm.reduce_scatter(bucket) / self.comm.size
+            buffer_meter.add(unit.grad_shard.nbytes)
+            buffer_meter.release(bucket.nbytes)
+            del bucket""", None),
     # 04.3 ZeRO-3 gather and release
     W("04.3", "ignores all_gather's return value: the forward runs on zero weights",
       "test_zero_trains_to_the_single_process_losses_and_weights", "all_gather", """
@@ -500,6 +532,10 @@ BANK: tuple[Wrong, ...] = (
         return x"""),
     W("05.1", "f's backward averages over the ranks", "test_column_parallel_linear", "sum", """
         return ctx.comm.all_reduce(grad) / ctx.comm.size, None""", None),
+    W("05.1", "f's backward takes the all-reduce to work in place",
+      "test_gpt_trains_like_the_single_process_gpt", "all_reduce", """
+        ctx.comm.all_reduce(grad)
+        return grad, None""", None),
     # 05.2 vocab-parallel cross-entropy
     W("05.2", "each rank's own row maximum", "test_vocab_parallel_cross_entropy", "max", VOCAB_CE.format(
         mask="xp.where(columns < vocab_size, logits, -xp.inf)", row_max="logits.max(axis=-1)",
@@ -510,6 +546,12 @@ BANK: tuple[Wrong, ...] = (
     W("05.2", "the padding columns not masked", "test_vocab_parallel_cross_entropy", "padding",
       VOCAB_CE.format(mask="logits", row_max='comm.all_reduce(logits.max(axis=-1), op="max")',
                       sum_exp="comm.all_reduce(exp.sum(axis=-1))")),
+    W("05.2", "saves this rank's softmax, not the one over every rank's columns",
+      "test_gpt_trains_like_the_single_process_gpt", "sum of exp",
+      VOCAB_CE.replace("exp / sum_exp[:, None]", "exp / exp.sum(axis=-1)[:, None]").format(
+          mask="xp.where(columns < vocab_size, logits, -xp.inf)",
+          row_max='comm.all_reduce(logits.max(axis=-1), op="max")',
+          sum_exp="comm.all_reduce(exp.sum(axis=-1))")),
     # 05.3 sequence parallelism
     W("05.3", "gathers batch-major, not along the sequence", "test_gather_and_reduce_scatter_are_adjoint",
       "sequence", """
@@ -524,6 +566,11 @@ BANK: tuple[Wrong, ...] = (
     W("05.3", "reduce-scatters batch-major", "test_gather_and_reduce_scatter_are_adjoint", "sequence", None, """
         b, s, h = x.shape
         return comm.reduce_scatter(xp_of(x).ascontiguousarray(x)).reshape(b, s // comm.size, h)"""),
+    W("05.3", "gathers along the sequence but never puts the batch first again",
+      "test_sequence_parallel_trains_like_one_process", "positions", """
+        b, piece, h = x.shape
+        gathered = comm.all_gather(_sequence_first(x), numel=x.size * comm.size)
+        return gathered.reshape(b, piece * comm.size, h)""", None),
     # 06.1 1F1B
     W("06.1", "one warm-up forward too many", "test_gpipe_holds_m_microbatches_1f1b_at_most_k", "K - s",
       ONE_F_ONE_B.format(warmup="min(stages - stage, microbatches)",
@@ -536,6 +583,20 @@ BANK: tuple[Wrong, ...] = (
     W("06.1", "the same warm-up on every stage", "test_gpipe_holds_m_microbatches_1f1b_at_most_k", "K - s",
       ONE_F_ONE_B.format(warmup="min(stages - 1, microbatches)",
                          steady='[Action("F", warmup + i), Action("B", i)]')),
+    W("06.1", "one warm-up forward too few", "test_activations_held_are_the_microbatches_in_flight",
+      "warm-up", ONE_F_ONE_B.format(warmup="min(max(stages - stage - 2, 0), microbatches)",
+                                    steady='[Action("F", warmup + i), Action("B", i)]')),
+    W("06.1", "forgets the last backward of the cool-down",
+      "test_pipeline_trains_to_the_single_process_losses_and_weights", "once", """
+        schedule = []
+        for stage in range(stages):
+            warmup = min(stages - stage - 1, microbatches)
+            actions = [Action("F", i) for i in range(warmup)]
+            for i in range(microbatches - warmup):
+                actions += [Action("F", warmup + i), Action("B", i)]
+            actions += [Action("B", i) for i in range(microbatches - warmup, microbatches - 1)]
+            schedule.append(actions)
+        return schedule"""),
     # 06.2 interleaved 1F1B
     W("06.2", "the backward goes through the chunks forwards", "test_interleaved_megatron_order_k2_m2_v2",
       "Megatron", INTERLEAVED.format(microbatch="(k // (stages * virtual_stages)) * stages + k % stages",
@@ -548,6 +609,10 @@ BANK: tuple[Wrong, ...] = (
       INTERLEAVED.format(microbatch="(k // virtual_stages) % microbatches",
                          chunk='chunk if op == "F" else virtual_stages - 1 - chunk',
                          warmup="2 * (stages - stage - 1) + (virtual_stages - 1) * stages")),
+    W("06.2", "each micro-batch through one chunk twice", "test_schedules_train_to_the_single_process_result",
+      "once", INTERLEAVED.format(microbatch="(k // virtual_stages) % microbatches",
+                                 chunk='chunk if op == "F" else virtual_stages - 1 - chunk',
+                                 warmup="2 * (stages - stage - 1) + (virtual_stages - 1) * stages")),
     # 06.3 balanced stages
     W("06.3", "an even split by count, whatever the costs", "test_partition_is_contiguous_nonempty_and_balanced",
       "costliest", """
@@ -596,6 +661,12 @@ BANK: tuple[Wrong, ...] = (
         pp_rank, cp_rank = divmod(rest, self.cp_size)
         return dp_rank, pp_rank, tp_rank, cp_rank""", """
         return ((tp_rank * self.dp_size + dp_rank) * self.pp_size + pp_rank) * self.cp_size + cp_rank"""),
+    W("07.1", "coordinates returned as (dp, pp, cp, tp), in a run",
+      "test_cp_with_each_dimension_trains_like_one_process", "coordinates", """
+        dp_rank, rest = divmod(rank, self.pp_size * self.cp_size * self.tp_size)
+        pp_rank, rest = divmod(rest, self.cp_size * self.tp_size)
+        cp_rank, tp_rank = divmod(rest, self.tp_size)
+        return dp_rank, pp_rank, cp_rank, tp_rank""", None),
     # 08.1 the chunk tensor's state machine
     W("08.1", "no check: every move allowed",
       "test_exactly_the_drawn_transitions_are_legal_and_any_other_is_an_error", "IllegalTransition", """
@@ -609,6 +680,11 @@ BANK: tuple[Wrong, ...] = (
         if (tensor.state, state) not in LEGAL_TRANSITIONS:
             raise RuntimeError(f"{tensor.name}: {tensor.state.name} -> {state.name}")
         tensor.state = state"""),
+    W("08.1", "checks the move after making it",
+      "test_one_rank_trains_to_the_reference_and_leaves_every_tensor_free[none]", "before", """
+        tensor.state = state
+        if (tensor.state, state) not in LEGAL_TRANSITIONS:
+            raise IllegalTransition(f"{tensor.name}: {tensor.state.name} -> {state.name}")"""),
     # 08.2 eviction
     W("08.2", "LRU evicts the most recent block",
       "test_lru_thrashes_on_a_loop_one_longer_than_the_device_and_opt_does_not", "LRU", """
@@ -621,6 +697,11 @@ BANK: tuple[Wrong, ...] = (
             return min(candidates, key=lambda b: (self.next_use(b.key), -self.last_used.get(b.key, 0)))
         return min(candidates, key=lambda b: self.last_used.get(b.key, 0))"""),
     W("08.2", "OPT is LRU", "test_lru_thrashes_on_a_loop_one_longer_than_the_device_and_opt_does_not", "OPT", """
+        return min(candidates, key=lambda b: self.last_used.get(b.key, 0))"""),
+    W("08.2", "OPT evicts the block needed soonest, in a run",
+      "test_with_prefetch_in_training_opt_still_moves_no_more_than_lru", "OPT", """
+        if self.policy == "opt" and self.positions:
+            return min(candidates, key=lambda b: (self.next_use(b.key), -self.last_used.get(b.key, 0)))
         return min(candidates, key=lambda b: self.last_used.get(b.key, 0))"""),
     # 09.1 bf16
     W("09.1", "truncates", "test_bf16_named_cases", "bf16", """
@@ -660,6 +741,18 @@ BANK: tuple[Wrong, ...] = (
             grown = self._scale * self._growth_factor
             if grown <= float(np.finfo(np.float32).max):
                 self._scale = grown"""),
+    W("09.2", "grows one clean step late, in an fp16 run",
+      "test_the_scaler_skips_overflowing_steps_halves_and_grows_after_clean_ones", "growth_interval", """
+        if found_inf:
+            self._scale *= self._backoff_factor
+            self._growth_tracker = 0
+            return
+        self._growth_tracker += 1
+        if self._growth_tracker > self._growth_interval:
+            grown = self._scale * self._growth_factor
+            if grown <= float(np.finfo(np.float32).max):
+                self._scale = grown
+            self._growth_tracker = 0"""),
     # 10.1 fusion
     W("10.1", "materialises every node: no fusion",
       "test_chain_of_eight_is_one_kernel_and_moves_seven_times_less", "one kernel",
@@ -670,6 +763,8 @@ BANK: tuple[Wrong, ...] = (
     W("10.1", "fuses through reductions",
       "test_fusion_plan_ends_kernels_at_shared_values_roots_and_reductions", "reduction",
       FUSION.format(rule="n.is_leaf or n in outputs or consumers[n] > 1")),
+    W("10.1", "forgets the roots", "test_train_fused_gives_the_same_losses_and_weights_bit_for_bit", "root",
+      FUSION.format(rule="n.is_leaf or n.is_reduction or consumers[n] > 1")),
     # 12.1 resharding
     W("12.1", "ignores the flat ranges", "test_pieces_of_any_layout_assemble_to_the_full_tensor", "flat",
       ASSEMBLE.format(flat="0, array.size", place="slice(shard.start, shard.stop)",
@@ -681,6 +776,9 @@ BANK: tuple[Wrong, ...] = (
       "test_pieces_of_any_layout_assemble_to_the_full_tensor", "shards",
       ASSEMBLE.format(flat="piece.flat or (0, local.size)", place="slice(0, shard.stop - shard.start)",
                       result="full[tuple(slice(0, n) for n in full_shape)]")),
+    W("12.1", "cuts the padding off the front", "test_resume_in_another_layout_trains_like_one_process",
+      "padding", ASSEMBLE.format(flat="piece.flat or (0, local.size)", place="slice(shard.start, shard.stop)",
+                                 result="full[tuple(slice(p - n, p) for n, p in zip(full_shape, padded))]")),
     # 13.1 the online softmax
     W("13.1", "no running maximum: exp of the raw scores", LARGE, "overflow", """
         xp = xp_of(s)
@@ -708,6 +806,14 @@ BANK: tuple[Wrong, ...] = (
         rescale, p = xp.exp(self.maximum - maximum), xp.exp(s - maximum)
         self.total = self.total * rescale + p.sum(axis=-1, keepdims=True)
         self.out = self.out * rescale + p @ v"""),
+    W("13.1", "rescales the total but not the output, in a run",
+      "test_random_layouts_with_cp_train_like_one_process", "maximum", """
+        xp = xp_of(s)
+        maximum = xp.maximum(self.maximum, s.max(axis=-1, keepdims=True))
+        rescale, p = xp.exp(self.maximum - maximum), xp.exp(s - maximum)
+        self.total = self.total * rescale + p.sum(axis=-1, keepdims=True)
+        self.out = self.out + p @ v
+        self.maximum = maximum"""),
     # 14.1 the parameter count
     W("14.1", "gives the key a bias", "test_parameter_count_is_the_real_models", "bias", """
         h = m.d_model
@@ -723,6 +829,12 @@ BANK: tuple[Wrong, ...] = (
         h = m.d_model
         block = 12 * h * h + 12 * h
         return m.vocab * h + m.n_layer * block + 2 * h + h * m.vocab"""),
+    W("14.1", "forgets the final LayerNorm, against a real run", "test_memory_equals_the_ledger_of_a_real_run",
+      "parameter count", """
+        h = m.d_model
+        embeddings = m.vocab * h + m.seq_len * h
+        block = 12 * h * h + 12 * h
+        return embeddings + m.n_layer * block + h * m.vocab"""),
     # 14.2 the ring's time
     W("14.2", "the all-reduce charged as one pass",
       "test_ring_time_is_comms_charge_over_the_bandwidth_plus_its_messages", "2(N-1)", """
@@ -751,4 +863,14 @@ BANK: tuple[Wrong, ...] = (
     W("15.1", "the k worst experts", "test_layer_matches_the_reference_written_with_loops", "best first",
       ROUTING.format(choice='xp.argsort(probs, axis=-1, kind="stable")[..., :top_k]',
                      kept="rank_in_expert < capacity", counts="onehot.sum(axis=1)")),
+    W("15.1", "counts places across the whole batch, not per sequence",
+      "test_data_parallel_moe_trains_like_one_process", "sequence", """
+        xp = xp_of(probs)
+        B, T, E = probs.shape
+        choice = xp.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
+        onehot = (choice.reshape(B, T * top_k)[..., None] == xp.arange(E)).astype(xp.int64)
+        queue = onehot.reshape(1, B * T * top_k, E)
+        rank_in_expert = (xp.cumsum(queue, axis=1) * queue).sum(-1) - 1
+        kept = (rank_in_expert < capacity).reshape(B, T, top_k)
+        return choice, kept, onehot.sum(axis=1), rank_in_expert.reshape(B, T, top_k)"""),
 )

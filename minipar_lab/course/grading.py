@@ -39,6 +39,7 @@ RUNNER = Path(__file__).resolve().parent / "run_check.py"
 RANK_BLOCK = re.compile(r"^[ \t]*----- rank (?P<rank>\d+) -----[ \t]*$", re.MULTILINE)
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Failure|Exit|Interrupt)\b")
 GROUP_BAR, GROUP_RULE = re.compile(r"^\s*\| "), re.compile(r"^\s*\+[-+]")  # an exception group's frame
+TEST_FRAME = re.compile(r'^\s*File "[^"]*/tests/(?P<path>(?!mpi_harness)[^"]+\.py)", line (?P<line>\d+)')
 
 
 @dataclass
@@ -95,9 +96,32 @@ def _expected(tests: dict, node: str) -> dict:
     return {name: result for name, result in tests.items() if name == node or name.startswith(node + "[")}
 
 
+def _joined(lines: list[str], most: int) -> str:
+    """The first `most` lines of an exception in one line, ' | ' between them; a line that ends in ':'
+    runs on into the next (numpy's 'AssertionError:' then 'Not equal to tolerance ...')."""
+    merged: list[str] = []
+    for line in (line.strip() for line in lines if line.strip()):
+        if merged and merged[-1].endswith(":"):
+            merged[-1] += " " + line
+        else:
+            merged.append(line)
+    return " | ".join(merged[:most])
+
+
+def _where_in_the_test(lines: list[str]) -> str:
+    """' (at tests/x.py:N: the line)': the innermost frame of the test's own files (not the harness's)
+    above the exception, so that a comparison says what it compared (the losses, a weight)."""
+    for i in range(len(lines) - 2, -1, -1):
+        frame = TEST_FRAME.match(lines[i])
+        if frame:
+            return f" (at tests/{frame['path']}:{frame['line']}: {lines[i + 1].strip()[:160]})"
+    return ""
+
+
 def assertion_of(message: str) -> str:
     """The failing rank's own assertion out of a test's failure text: with the harness's 'failed on
-    rank(s) ...' the first failing rank's exception lines, else pytest's `E` lines, else the last line."""
+    rank(s) ...' the first failing rank's exception lines and the test's line that raised it, else
+    pytest's `E` lines, else the last line."""
     explained = [GROUP_BAR.sub("", line[4:], count=1) for line in message.splitlines()
                  if line.startswith("E ") and not GROUP_RULE.match(line[4:])]  # "E   " + the line
     if explained:
@@ -107,10 +131,11 @@ def assertion_of(message: str) -> str:
         rank, text = blocks[1], textwrap.dedent(blocks[2].strip("\n"))
         lines = [line for line in text.splitlines() if line.strip()]
         starts = [i for i, line in enumerate(lines) if EXCEPTION_LINE.match(line)]
-        shown = lines[starts[-1]:starts[-1] + 3] if starts else lines[-1:]
-        return f"rank {rank}: " + " | ".join(line.strip() for line in shown)
+        if not starts:
+            return f"rank {rank}: " + _joined(lines[-1:], 1)
+        return f"rank {rank}: " + _joined(lines[starts[-1]:], 3) + _where_in_the_test(lines[:starts[-1]])
     if explained:
-        return " | ".join(line.strip() for line in explained[:2] if line.strip())
+        return _joined(explained, 2)
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "no message"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from minipar_lab.course import grading, selftest, workspace
+from minipar_lab.course.bank import BANK
 from minipar_lab.course.exercises import BY_ID, EXERCISES, Check
 from minipar_lab.course.regions import RegionError, regions_in, regions_under, stub_text
 
@@ -48,6 +50,38 @@ def test_every_check_names_a_test_that_exists_and_every_section_is_a_heading_of_
             tree = ast.parse((ROOT / path).read_text())
             assert name.split("[")[0] in {f.name for f in tree.body if isinstance(f, ast.FunctionDef)}, check
             assert all(k >= 2 for k in check.ranks) and check.hint
+
+
+def end_to_end_table() -> dict[str, tuple[set[str], list[str]]]:
+    """lessons/course.md's table of end-to-end checks: per exercise id, the tests its third column names
+    and the wrong solutions its fourth column names (';' between two)."""
+    text = (ROOT / "lessons" / "course.md").read_text()
+    section = text.split("### Each exercise's end-to-end check", 1)[1].split("\n#", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0][:2].isdigit():
+            tests = set(re.findall(r"`(test_\w+(?:\[[^\]`]*\])?)`", cells[2]))
+            rows[cells[0].split()[0]] = (tests, [w.strip() for w in cells[3].split(";") if w.strip()])
+    return rows
+
+
+def test_the_lessons_table_of_end_to_end_checks_is_the_registry_and_the_bank():
+    """Each exercise has its row; every test the row names is one of the exercise's checks (so dropping an
+    end-to-end check from the registry, or naming one it lacks, fails here), and every wrong solution it
+    names is in the exercise's bank, graded at one of those tests."""
+    rows = end_to_end_table()
+    assert set(rows) == set(BY_ID)
+    for exercise_id, (tests, wrongs) in rows.items():
+        checks = {check.node.split("::")[1] for check in BY_ID[exercise_id].checks}
+        assert tests <= checks, (exercise_id, tests - checks)
+        assert bool(wrongs) == bool(tests), exercise_id
+        for wrong in wrongs:
+            assert any(w.exercise == exercise_id and wrong in w.name and w.check in tests for w in BANK), \
+                (exercise_id, wrong)
+    # every exercise whose region sits in a training path (minipar/parallel/) is graded by a real run
+    in_a_training_path = {r.exercise for r in regions_under(ROOT) if r.path.startswith("minipar/parallel/")}
+    assert {e for e in in_a_training_path if not rows[e][0]} == {"06.3"}
 
 
 SOURCE = """def f(x):

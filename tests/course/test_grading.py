@@ -58,6 +58,25 @@ def test_a_partial_pass_fails_and_shows_the_failing_rank_assertion():
     assert not grading.verdict(NODE, 2, 0, reports)[0]
 
 
+def test_a_failed_comparison_of_a_run_says_what_it_compared_and_where():
+    """numpy's assert_allclose raises 'AssertionError:' with an empty first line: the detail runs it on
+    into the next line (not 'AssertionError: | Not equal'), and names the test's line that compared,
+    here the losses, not the harness's frames around it."""
+    message = ("E   mpi_harness.MultiRankFailure: failed on rank(s) [0] of 2:\nE   ----- rank 0 -----\n"
+               "E   Traceback (most recent call last):\n"
+               "E     File \"/tmp/g/graded/tests/mpi_harness.py\", line 158, in _outcome_of\nE       body()\n"
+               "E     File \"/tmp/g/graded/tests/parallel/test_zero.py\", line 46, in assert_matches\n"
+               "E       np.testing.assert_allclose(losses, reference, rtol=1e-9, atol=0)\n"
+               "E     File \"/venv/numpy/testing/_private/utils.py\", line 983, in assert_array_compare\n"
+               "E       raise AssertionError(msg)\nE   AssertionError: \n"
+               "E   Not equal to tolerance rtol=1e-09, atol=0\nE   \nE   Mismatched elements: 1 / 3 (33.3%)\n"
+               "E   Mismatch at index:\nE    [2]: 2.5625552414 (ACTUAL), 2.5625552234 (DESIRED)\n")
+    assert grading.assertion_of(message) == (
+        "rank 0: AssertionError: Not equal to tolerance rtol=1e-09, atol=0 | Mismatched elements: 1 / 3 "
+        "(33.3%) | Mismatch at index: [2]: 2.5625552414 (ACTUAL), 2.5625552234 (DESIRED) (at "
+        "tests/parallel/test_zero.py:46: np.testing.assert_allclose(losses, reference, rtol=1e-9, atol=0))")
+
+
 def test_a_skipped_check_is_no_pass():
     """Catches a verdict that drops the skip rule: a check that did not run graded PASS."""
     passed, detail = grading.verdict(NODE, 2, 0, every_rank(2, outcome="skipped", message="needs 4 ranks"))

@@ -11,6 +11,7 @@ from minipar.parallel.schedules import (
     Action,
     bubble_fraction,
     build_schedule,
+    check_schedule,
     dependencies,
     gpipe,
     naive,
@@ -32,6 +33,17 @@ def test_simulated_bubble_is_the_formula(k, m, name, forward_cost, backward_cost
     timeline = simulate(build_schedule(name, k, m), forward_cost, backward_cost)
     assert bubble_fraction(timeline) == Fraction(k - 1, m + k - 1)
     assert timeline.makespan == (m + k - 1) * (forward_cost + backward_cost)
+
+
+def test_a_stage_missing_an_action_is_told_every_micro_batch_it_must_run():
+    """The count of micro-batches comes from the stage that lists the most actions: a first stage that
+    forgot its last backward must hear 'micro-batches 0..2', not '0..1' (or '0..-1' with one)."""
+    table = build_schedule("gpipe", 2, 3)
+    assert check_schedule(table) == 3
+    with pytest.raises(ValueError, match=r"^stage 0 must run F, B of micro-batches 0\.\.2 once$"):
+        check_schedule([table[0][:-1], table[1]])
+    with pytest.raises(ValueError, match=r"^stage 0 must run F, B of micro-batches 0\.\.0 once$"):
+        check_schedule([build_schedule("gpipe", 2, 1)[0][:-1], build_schedule("gpipe", 2, 1)[1]])
 
 
 def test_gpipe_paper_setting_k4_m16():
