@@ -631,4 +631,12 @@ MUTANTS = [
     Mutant("bench-saved-measures-without-pytorch", "minipar_lab/bench/saved.py",
            "    if torch_gpt.unavailable():\n        return fail(p.prog, torch_gpt.unavailable())\n", "",
            tests=(SAVED_BENCH_TESTS,)),
+    # ---- issue 45: FP8 in the simulator, the 13-bit accumulator, bench fp8 ----
+    Mutant("simulate-fp8-runs-the-attention-core-in-fp8-too", "minipar/simulate/kernels.py",
+           "if fp8 and shape[3] == 1", "if fp8", tests=("tests/simulate/test_kernels.py",)),
+    Mutant("simulate-fp8-operands-at-2-bytes", "minipar/simulate/kernels.py",
+           "value_bytes=FP8_BYTES)", "value_bytes=2)", tests=("tests/simulate/test_kernels.py",)),
+    Mutant("simulate-fp8-at-the-sparse-peak", "minipar/simulate/kernels.py",
+           "H100_FP8_PEAK = 989.4e12, 1978.9e12", "H100_FP8_PEAK = 989.4e12, 3957.8e12",
+           tests=("tests/simulate/test_kernels.py",)),
 ]
