@@ -36,6 +36,7 @@ TRACE_TESTS = "tests/trainer/test_trace.py"
 TRACE_BENCH_TESTS = "tests/bench/test_trace_bench.py"
 CHECKPOINT_BENCH_TESTS = "tests/bench/test_checkpoint_bench.py"
 SAVED_BENCH_TESTS = "tests/bench/test_saved_bench.py"
+FP8_BENCH_TESTS = "tests/bench/test_fp8_bench.py"
 
 PLACEMENT_TESTS = ("tests/parallel/test_placements.py",)
 FSDP_TESTS = ("tests/parallel/test_fsdp.py",)
@@ -650,4 +651,16 @@ MUTANTS = [
     Mutant("fp8-tc13-option-ignored", "minipar/precision/fp8.py",
            'limited = options.fp8_accumulate == "tc13"', 'limited = options.fp8_accumulate == "tc14"',
            tests=("tests/precision/test_fp8.py",)),
+    Mutant("bench-fp8-tiles-scaled-as-the-tensor", "minipar_lab/bench/fp8.py",
+           "        tiles, _ = fp8.tile_quantize(spiked, n, E4M3)", "        tiles = tensor",
+           tests=(FP8_BENCH_TESTS,)),
+    Mutant("bench-fp8-other-tiles-by-channel", "minipar_lab/bench/fp8.py",
+           "np.arange(x.shape[1]) // n != OUTLIER_CHANNEL // n",
+           "np.arange(x.shape[1]) // n != OUTLIER_CHANNEL",
+           tests=(FP8_BENCH_TESTS,)),
+    Mutant("bench-fp8-amax-of-the-current-run", "minipar_lab/bench/fp8.py",
+           'if name == "fp8 delayed":', 'if name == "fp8 current":', tests=(FP8_BENCH_TESTS,)),
+    Mutant("bench-fp8-block-run-without-its-recipe", "minipar_lab/bench/fp8.py",
+           '"fp8 block": {"precision": "fp8", "fp8_recipe": "block"}', '"fp8 block": {"precision": "fp8"}',
+           tests=(FP8_BENCH_TESTS,)),
 ]
