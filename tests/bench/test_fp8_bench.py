@@ -61,3 +61,10 @@ def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
     assert fp8_bench.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and err.startswith("minipar bench fp8: error:")
+
+
+def test_the_plot_is_a_png_of_the_measurements(measured, tmp_path):
+    cfg, results = measured
+    path = tmp_path / "fp8.png"
+    assert fp8_bench.save_plot(str(path), results, cfg) == f"plot saved to {path}"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
