@@ -17,8 +17,8 @@ the runner for bf16 by precision/mixed.py and for fp8 by precision/fp8.py):
              One scale flushes them past outlier / v = 448 x 2^10 = 2^18.8; tiles confine it to the
              outlier's own tile (lesson 09b derives both).
 
-Prints a table of each; `--plot FILE` draws the three (matplotlib). The runs are minutes on 2 busy
-cores at the defaults; `--n-layer` and `--d-model` shrink the model. Lesson: lessons/09b_fp8.md.
+Prints a table of each; `--plot FILE` draws the three (matplotlib). The defaults take about 30 s on
+2 cores (load 3; block scaling is half of it); `--n-layer` and `--d-model` shrink the model. Lesson: lessons/09b_fp8.md.
 
     python -m minipar bench fp8 [--steps 30] [--fp8-block 16] [--n-layer L] [--d-model D] [--seed 0]
                                 [--plot FILE] [--json]

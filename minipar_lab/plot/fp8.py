@@ -1,6 +1,6 @@
 """The default GPT's loss in fp32, bf16 and each FP8 recipe, the delayed recipe's amax per step, and
-one outlier channel against one scale and against tiles: bench fp8's own plot, at 10 steps (the
-bench's 30 take minutes on 2 busy cores), its tables left out.
+one outlier channel against one scale and against tiles: bench fp8's own plot, at 10 steps (a
+third of the bench's 30, so that `plot all` stays short), its tables left out.
 
     python -m minipar plot fp8 [--out DIR] [--steps 10]   (the same figure: bench fp8 --plot FILE)
 Lesson: lessons/09b_fp8.md.
