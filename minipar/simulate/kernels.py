@@ -21,10 +21,11 @@ softmax, dropout, the residual adds) streams its bytes through HBM once: at 2.03
 SXM (the guide; the H100 whitepaper). L2 bandwidth: A100 5120 bytes per clock at 1.41 GHz (the A100
 whitepaper: 2.3x V100's); H100: the same bytes per clock and SM at 1.83 GHz, an assumption.
 
-FP8 (`--precision fp8`, H100 only: A100 has no FP8 tensor cores). The H100 datasheet lists "FP8 Tensor
-Core 3,958 teraFLOPS" for SXM with the footnote "With sparsity"; the dense rate is half, and the
-Hopper whitepaper's table gives it: FP8 Tensor with FP32 accumulate 1978.9 TFLOP/s dense, 3957.8 with
-sparsity, against BF16's 989.4 (SXM5, boost clock). No measured FP8 MAMF is cited here, so FP8 keeps
+FP8 (`--precision fp8`, H100 only: A100 has no FP8 tensor cores). The H100 datasheet's SXM figure for
+the FP8 Tensor Core, 3,958 teraFLOPS, is with sparsity; the dense rate is half. The Hopper
+whitepaper's peak table gives both (SXM5, boost clock; as tabulated at
+glennklockwood.com/garden/processors/h100): FP8 1978.9 TFLOP/s dense and 3957.8 sparse, against BF16's
+989.4 dense. No measured FP8 MAMF is cited here, so FP8 keeps
 bf16's measured share of the peak: 794.5 x 1978.9 / 989.4 = 1589.1 TFLOP/s (an assumption), and its
 operands are 1 byte (the tiles' L2 traffic and the bytes bound halve). Only the Linear layers' GEMMs
 (q/k/v, projection, fc, fc2, forward and both backward products) run in FP8, as the recipes of
