@@ -36,6 +36,7 @@ TRACE_TESTS = "tests/trainer/test_trace.py"
 TRACE_BENCH_TESTS = "tests/bench/test_trace_bench.py"
 CHECKPOINT_BENCH_TESTS = "tests/bench/test_checkpoint_bench.py"
 SAVED_BENCH_TESTS = "tests/bench/test_saved_bench.py"
+FP8_BENCH_TESTS = "tests/bench/test_fp8_bench.py"
 
 PLACEMENT_TESTS = ("tests/parallel/test_placements.py",)
 FSDP_TESTS = ("tests/parallel/test_fsdp.py",)
@@ -546,8 +547,8 @@ MUTANTS = [
            "last_beyond = (stages[-1] - layers_here) * block_s + logits[0] + logits[1]",
            "last_beyond = logits[0] + logits[1]", tests=("tests/simulate",)),
     Mutant("flash-backward-without-the-score-recompute", "minipar/simulate/kernels.py",
-           "backward = seconds(spec, backward_gemms(gemms) + extra_backward, backward_bytes, value_bytes)",
-           "backward = seconds(spec, backward_gemms(gemms), backward_bytes, value_bytes)",
+           "backward = seconds(spec, backward_gemms(gemms) + extra_backward, backward_bytes, value_bytes,",
+           "backward = seconds(spec, backward_gemms(gemms), backward_bytes, value_bytes,",
            tests=("tests/simulate",)),
     Mutant("1f1b-bubble-over-microbatches", "minipar/simulate/step.py",
            "return float(makespan), (stages - 1) / (microbatches + stages - 1), inflight",
@@ -750,4 +751,35 @@ MUTANTS = [
            "    listed = max(sum(len(action.parts()) for action in actions) for actions in schedule)",
            "    listed = sum(len(action.parts()) for action in schedule[0])",
            tests=("tests/parallel/test_schedules.py",)),
+    # ---- issue 45: FP8 in the simulator, the 13-bit accumulator, bench fp8 ----
+    Mutant("simulate-fp8-runs-the-attention-core-in-fp8-too", "minipar/simulate/kernels.py",
+           "if fp8 and shape[3] == 1", "if fp8", tests=("tests/simulate/test_kernels.py",)),
+    Mutant("simulate-fp8-operands-at-2-bytes", "minipar/simulate/kernels.py",
+           "value_bytes=FP8_BYTES)", "value_bytes=2)", tests=("tests/simulate/test_kernels.py",)),
+    Mutant("simulate-fp8-at-the-sparse-peak", "minipar/simulate/kernels.py",
+           "H100_FP8_PEAK = 989.4e12, 1978.9e12", "H100_FP8_PEAK = 989.4e12, 3957.8e12",
+           tests=("tests/simulate/test_kernels.py",)),
+    Mutant("fp8-tc13-keeps-14-mantissa-bits", "minipar/precision/fp8.py",
+           "TC_MANTISSA = 13  #", "TC_MANTISSA = 14  #", tests=("tests/precision/test_fp8.py",)),
+    Mutant("fp8-tc13-truncates-only-the-final-sum", "minipar/precision/fp8.py",
+           "    for k in range(qa.shape[1]):\n        acc = truncate_mantissa(acc + np.outer(a[:, k], b[k]))",
+           "    acc = truncate_mantissa(a @ b)", tests=("tests/precision/test_fp8.py",)),
+    Mutant("fp8-tc13-block-slices-add-in-full-precision", "minipar/precision/fp8.py",
+           "out += gemm(qa[:, cut], qb[cut, :])", "out += (qa[:, cut] @ qb[cut, :])",
+           tests=("tests/precision/test_fp8.py",)),
+    Mutant("fp8-tc13-option-ignored", "minipar/precision/fp8.py",
+           'limited = options.fp8_accumulate == "tc13"', 'limited = options.fp8_accumulate == "tc14"',
+           tests=("tests/precision/test_fp8.py",)),
+    Mutant("bench-fp8-tiles-scaled-as-the-tensor", "minipar_lab/bench/fp8.py",
+           "        tiles, _ = fp8.tile_quantize(spiked, n, E4M3)", "        tiles = tensor",
+           tests=(FP8_BENCH_TESTS,)),
+    Mutant("bench-fp8-other-tiles-by-channel", "minipar_lab/bench/fp8.py",
+           "np.arange(x.shape[1]) // n != OUTLIER_CHANNEL // n",
+           "np.arange(x.shape[1]) // n != OUTLIER_CHANNEL",
+           tests=(FP8_BENCH_TESTS,)),
+    Mutant("bench-fp8-amax-of-the-current-run", "minipar_lab/bench/fp8.py",
+           'if name == "fp8 delayed":', 'if name == "fp8 current":', tests=(FP8_BENCH_TESTS,)),
+    Mutant("bench-fp8-block-run-without-its-recipe", "minipar_lab/bench/fp8.py",
+           '"fp8 block": {"precision": "fp8", "fp8_recipe": "block"}', '"fp8 block": {"precision": "fp8"}',
+           tests=(FP8_BENCH_TESTS,)),
 ]

@@ -17,6 +17,10 @@ Forward operands are E4M3; gradients E5M2 for the per-tensor recipes (HYBRID), E
 Everything else stays in the run's dtype: the master weights and optimizer (fp32, as bf16's mixed
 precision keeps them), embeddings, the output head, LayerNorm, the attention core and the loss.
 With `--fp8-accumulate fp64` the products add in fp64: layouts then compare with one process to 1e-9.
+`--fp8-accumulate tc13` models the limited accumulation DeepSeek-V3 works around (section 3.3.2: the
+H800's FP8 GEMMs keep "around 14 bits"): a 13-bit-mantissa accumulator, truncated after each product
+along K, promoted to fp32 at the end of each n-wide slice under `block` (their N_C = 128 with n =
+128), never under the per-tensor recipes. A model, not the hardware: its accumulator is undocumented.
 Under ZeRO-3 the weights arrive quantized already (fp8_zero3.py gathers them in FP8: `Prequantized`,
 the bits quantizing the gathered weight would give), and the products use them as they are.
 A checkpoint keeps the amax history by layer name (`amax_history`, checkpoint/sharded.py's manifest),
@@ -61,15 +65,38 @@ def quantize(x, scale, fmt: FP8Format) -> np.ndarray:
     return round_to_fp8(x * scale, fmt, saturate=True)
 
 
-def per_tensor_product(a, b, a_scale: float, b_scale: float, a_fmt: FP8Format, b_fmt: FP8Format):
+def per_tensor_product(a, b, a_scale: float, b_scale: float, a_fmt: FP8Format, b_fmt: FP8Format,
+                       gemm=np.matmul):
     """a @ b with each operand quantized with one scale: the FP8 products summed in a's dtype, then
     divided by both scales (Transformer Engine's scale_inv times scale_inv)."""
-    return descaled_product(quantize(a, a_scale, a_fmt), quantize(b, b_scale, b_fmt), a_scale, b_scale)
+    return descaled_product(quantize(a, a_scale, a_fmt), quantize(b, b_scale, b_fmt), a_scale, b_scale, gemm)
 
 
-def descaled_product(qa, qb, a_scale: float, b_scale: float):
-    """The product of two quantized operands, divided by their scales."""
-    return (qa @ qb) * (1.0 / a_scale) * (1.0 / b_scale)
+def descaled_product(qa, qb, a_scale: float, b_scale: float, gemm=np.matmul):
+    """The product of two quantized operands (`gemm`: how the tensor cores add), divided by their scales."""
+    return gemm(qa, qb) * (1.0 / a_scale) * (1.0 / b_scale)
+
+
+TC_MANTISSA = 13  # DeepSeek-V3 3.3.2's "around 14 bits": 13 stored mantissa bits and the implicit one
+_KEEP = np.uint64((2**64 - 1) ^ (2 ** (52 - TC_MANTISSA) - 1))  # fp64's sign, exponent and 13 top bits
+
+
+def truncate_mantissa(x):
+    """fp64 values cut to TC_MANTISSA mantissa bits toward zero: IEEE's sign-magnitude layout makes
+    that clearing the low 39 bits of each."""
+    return (np.ascontiguousarray(x, dtype=np.float64).view(np.uint64) & _KEEP).view(np.float64)
+
+
+def limited_accumulation_product(qa, qb):
+    """qa @ qb (FP8 values) through the modelled tensor-core accumulator: one product of the inner
+    dimension at a time, added exactly (fp64 holds a 14-bit sum plus an 8-bit product), the sum then
+    truncated to 13 mantissa bits. Rounding toward zero at every step biases the sum's magnitude down:
+    over K steps the loss grows with K, which is why DeepSeek-V3 promotes every N_C elements."""
+    a, b = qa.astype(np.float64), qb.astype(np.float64)
+    acc = np.zeros((qa.shape[0], qb.shape[1]))
+    for k in range(qa.shape[1]):
+        acc = truncate_mantissa(acc + np.outer(a[:, k], b[k]))
+    return acc.astype(qa.dtype)
 
 
 def block_scales(amax, fmt: FP8Format, dtype):
@@ -93,14 +120,14 @@ def block_quantize(w, n: int, fmt: FP8Format):
     return quantize(blocks, scale[:, None, :, None], fmt).reshape(w.shape), 1.0 / scale
 
 
-def block_product(qa, a_inv, qb, b_inv, n: int):
+def block_product(qa, a_inv, qb, b_inv, n: int, gemm=np.matmul):
     """a @ b from quantized operands: a's 1/scales per (row, K-slice) (M, K/n), b's per (K-slice,
     column) (K/n, P). Each n-wide slice of K is one FP8 product; its partial sum is promoted (times
     its scales) and added to the running sum in order, as DeepSeek-V3's promotion to CUDA cores."""
     out = np.zeros((qa.shape[0], qb.shape[1]), dtype=qa.dtype)
     for k in range(qa.shape[1] // n):
         cut = slice(k * n, (k + 1) * n)
-        out += (qa[:, cut] @ qb[cut, :]) * a_inv[:, k:k + 1] * b_inv[k:k + 1, :]
+        out += gemm(qa[:, cut], qb[cut, :]) * a_inv[:, k:k + 1] * b_inv[k:k + 1, :]
     return out
 
 
@@ -114,7 +141,7 @@ class Prequantized:
     inverse: np.ndarray | None = None
 
 
-def block_scaled_product(a, b, n: int, role: str, weight: Prequantized | None = None):
+def block_scaled_product(a, b, n: int, role: str, weight: Prequantized | None = None, gemm=np.matmul):
     """Linear's product `role` with DeepSeek-V3's scales, all E4M3. forward: x (1xn tiles) @ W^T
     (nxn blocks); input_grad: g (1xn tiles) @ W (the same blocks); weight_grad: g^T @ x, whose inner
     dimension is the tokens, so both are tiled n tokens by 1 channel (g^T's rows, x's columns).
@@ -122,14 +149,14 @@ def block_scaled_product(a, b, n: int, role: str, weight: Prequantized | None = 
     qa, a_inv = tile_quantize(a, n, E4M3)
     if role == "weight_grad":
         qbt, bt_inv = tile_quantize(b.T, n, E4M3)
-        return block_product(qa, a_inv, qbt.T, bt_inv.T, n)
+        return block_product(qa, a_inv, qbt.T, bt_inv.T, n, gemm)
     if weight is not None:
         qw, w_inv = weight.values, weight.inverse
     else:
         qw, w_inv = block_quantize(b.T if role == "forward" else b, n, E4M3)  # (out, in) either way
     if role == "forward":
-        return block_product(qa, a_inv, qw.T, np.repeat(w_inv.T, n, axis=1), n)
-    return block_product(qa, a_inv, qw, np.repeat(w_inv, n, axis=1), n)
+        return block_product(qa, a_inv, qw.T, np.repeat(w_inv.T, n, axis=1), n, gemm)
+    return block_product(qa, a_inv, qw, np.repeat(w_inv, n, axis=1), n, gemm)
 
 
 # ---- the recipes' scales: who shares one, and from which amax ----
@@ -187,7 +214,7 @@ class PerTensorScaling:
 
 
 def per_tensor_scaled_product(scaling: PerTensorScaling, layer: int, a, b, role: str,
-                              weight: Prequantized | None = None):
+                              weight: Prequantized | None = None, gemm=np.matmul):
     """One of Linear's products with one scale per operand tensor; gradients in E5M2 (HYBRID).
     weight_grad's operands are g^T and x, whose amax is g's and x's. `weight`: W quantized before
     ZeRO-3 gathered it, with its scale (the bits quantizing b would give)."""
@@ -196,9 +223,9 @@ def per_tensor_scaled_product(scaling: PerTensorScaling, layer: int, a, b, role:
     a_scale = scaling.scale((layer, a_name), a, a_fmt)
     if weight is not None and b_name == "weight":
         qw = weight.values.T if role == "forward" else weight.values
-        return descaled_product(quantize(a, a_scale, a_fmt), qw, a_scale, weight.scale)
+        return descaled_product(quantize(a, a_scale, a_fmt), qw, a_scale, weight.scale, gemm)
     b_scale = scaling.scale((layer, b_name), b, E4M3)
-    return per_tensor_product(a, b, a_scale, b_scale, a_fmt, E4M3)
+    return per_tensor_product(a, b, a_scale, b_scale, a_fmt, E4M3, gemm)
 
 
 # ---- where the products run in FP8: the Linear layers' GEMMs, through core's "linear" kernel ----
@@ -220,6 +247,8 @@ class FP8Products:
     def __init__(self, model, options: FP8Options):
         self.block, self.recipe = options.fp8_block, options.fp8_recipe
         self.scaling = PerTensorScaling(delayed=options.fp8_recipe == "delayed")
+        limited = options.fp8_accumulate == "tc13"  # how the emulated tensor cores add
+        self.gemm = limited_accumulation_product if limited else np.matmul
         self.layer: int | None = None
         self.layer_of = {id(m.weight): i for i, m in enumerate(fp8_linears(model))}  # weight -> its layer
         named = {id(p): name for name, p in model.named_parameters()}  # the logical names of any layout
@@ -243,8 +272,8 @@ class FP8Products:
             return matrix_product(a, b)
         weight = self.prequantized.get(self.layer)
         if self.recipe == "block":
-            return block_scaled_product(a, b, self.block, role, weight)
-        return per_tensor_scaled_product(self.scaling, self.layer, a, b, role, weight)
+            return block_scaled_product(a, b, self.block, role, weight, self.gemm)
+        return per_tensor_scaled_product(self.scaling, self.layer, a, b, role, weight, self.gemm)
 
 
 class FP8Runner(RunnerWrapper):
@@ -312,7 +341,9 @@ class FP8Options:
     fp8_block: int = option(128, "fp8 block: the tile width N (it divides each Linear's widths per tp rank "
                             "and each micro-batch's tokens per rank)")
     fp8_accumulate: str = option("fp32", "fp8: the dtype the products add in and the run computes in "
-                                 "(fp64: layouts compare with one process to 1e-9)", ("fp32", "fp64"))
+                                 "(fp64: layouts compare with one process to 1e-9; tc13: fp32 runs, the "
+                                 "tensor cores' 13-bit accumulator modelled, DeepSeek-V3 3.3.2)",
+                                 ("fp32", "fp64", "tc13"))
 
 
 def config_errors(options: FP8Options, precision: str, model: str, widths: list[int], tokens: int,

@@ -21,6 +21,18 @@ softmax, dropout, the residual adds) streams its bytes through HBM once: at 2.03
 SXM (the guide; the H100 whitepaper). L2 bandwidth: A100 5120 bytes per clock at 1.41 GHz (the A100
 whitepaper: 2.3x V100's); H100: the same bytes per clock and SM at 1.83 GHz, an assumption.
 
+FP8 (`--precision fp8`, H100 only: A100 has no FP8 tensor cores). The H100 datasheet's SXM figure for
+the FP8 Tensor Core, 3,958 teraFLOPS, is with sparsity; the dense rate is half. The Hopper
+whitepaper's peak table gives both (SXM5, boost clock; as tabulated at
+glennklockwood.com/garden/processors/h100): FP8 1978.9 TFLOP/s dense and 3957.8 sparse, against BF16's
+989.4 dense. No measured FP8 MAMF is cited here, so FP8 keeps
+bf16's measured share of the peak: 794.5 x 1978.9 / 989.4 = 1589.1 TFLOP/s (an assumption), and its
+operands are 1 byte (the tiles' L2 traffic and the bytes bound halve). Only the Linear layers' GEMMs
+(q/k/v, projection, fc, fc2, forward and both backward products) run in FP8, as the recipes of
+precision/fp8.py keep them; the attention core's per-head GEMMs, the logits and the elementwise passes
+stay bf16. The recipes' amax and quantize passes are not charged (Transformer Engine fuses them into
+the neighbouring kernels).
+
 What it counts (Megatron-LM's GPT, the fused kernels of 2021: scale+mask+softmax, bias+GELU,
 bias+dropout+add): per block and forward, six GEMMs on a tensor-parallel rank of t (q/k/v, the
 scores and the weighted sum per head, the projection, fc and fc2; their FLOPs are model.py's
@@ -49,15 +61,23 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # what the measured ceilings are for: 16-bit tensor-core matmuls (fp32 would be TF32 or CUDA cores)
-PRECISIONS = ("bf16", "fp16")
+PRECISIONS = ("bf16", "fp16", "fp8")
+FP8_BYTES = 1  # an FP8 GEMM operand's bytes
 
 
 def precision_error(gpu: str, precision: str) -> str:
+    if precision == "fp8":
+        return f"--precision fp8 on {gpu}: it has no FP8 tensor cores (use --gpu h100-80gb, or bf16)"
     return (f"--precision {precision} on {gpu}: its kernel model has measured bf16/fp16 matmul rates only "
             f"(use bf16 or fp16)")
+
+
+def supports(spec: KernelSpec, precision: str) -> bool:
+    """Whether the kernel model has a matmul rate for `precision` (FP8: only with an FP8 ceiling)."""
+    return precision in PRECISIONS and (precision != "fp8" or spec.fp8_mamf is not None)
 
 
 # cuBLAS's tile sizes (the guide, section 2.3), the most efficient first
@@ -72,12 +92,15 @@ class KernelSpec:
     sms: int               # streaming multiprocessors: one tile each per wave
     l2_bandwidth: float    # bytes/s the tiles' loads come through
     hbm_bandwidth: float   # bytes/s of device memory, what elementwise kernels stream at
+    fp8_mamf: float | None = None  # the FP8 ceiling (None: no FP8 tensor cores)
 
 
 A100_L2 = 5120 * 1.41e9
 A100_80GB = KernelSpec(mamf=271.2e12, sms=108, l2_bandwidth=A100_L2, hbm_bandwidth=2.039e12)
 A100_40GB = KernelSpec(mamf=271.2e12, sms=108, l2_bandwidth=A100_L2, hbm_bandwidth=1.555e12)
-H100_SXM = KernelSpec(mamf=794.5e12, sms=132, l2_bandwidth=5120 / 108 * 132 * 1.83e9, hbm_bandwidth=3.35e12)
+H100_BF16_PEAK, H100_FP8_PEAK = 989.4e12, 1978.9e12  # the Hopper whitepaper, dense, SXM5
+H100_SXM = KernelSpec(mamf=794.5e12, sms=132, l2_bandwidth=5120 / 108 * 132 * 1.83e9, hbm_bandwidth=3.35e12,
+                      fp8_mamf=794.5e12 * H100_FP8_PEAK / H100_BF16_PEAK)
 
 
 def tile_flops(spec: KernelSpec, tile: tuple[int, int], value_bytes: int = 2) -> float:
@@ -131,9 +154,17 @@ def attention_core(s: int, b: int, h: int, a: int, t: int = 1, value_bytes: int 
     return gemms, s * b * (4 * a * s // t * value_bytes + a * s // t)
 
 
-def seconds(spec: KernelSpec, gemms, elementwise_bytes: int, value_bytes: int = 2) -> float:
-    """GEMMs one after another, then the elementwise passes at HBM bandwidth."""
-    return (sum(gemm_seconds(spec, *shape, value_bytes=value_bytes) for shape in gemms)
+def fp8_gemm_seconds(spec: KernelSpec, m: int, n: int, k: int, batch: int = 1) -> float:
+    """A GEMM with FP8 operands: the same tiles and waves at the FP8 ceiling, 1 byte a value."""
+    return gemm_seconds(replace(spec, mamf=spec.fp8_mamf), m, n, k, batch, value_bytes=FP8_BYTES)
+
+
+def seconds(spec: KernelSpec, gemms, elementwise_bytes: int, value_bytes: int = 2,
+            fp8: bool = False) -> float:
+    """GEMMs one after another, then the elementwise passes at HBM bandwidth. `fp8`: the Linear
+    layers' GEMMs (batch 1; the attention core's are per head) run in FP8."""
+    return (sum(fp8_gemm_seconds(spec, *shape) if fp8 and shape[3] == 1
+                else gemm_seconds(spec, *shape, value_bytes=value_bytes) for shape in gemms)
             + elementwise_bytes / spec.hbm_bandwidth)
 
 
@@ -151,18 +182,19 @@ def flash_attention_saving(s: int, b: int, h: int, a: int, t: int = 1,
 
 
 def block_seconds(spec: KernelSpec, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                  recompute: str = "none", value_bytes: int = 2, flash: bool = False) -> tuple[float, float]:
+                  recompute: str = "none", value_bytes: int = 2, flash: bool = False,
+                  fp8: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one block on one tensor-parallel rank; the backward includes
     what recomputation reruns (the whole forward, or the attention core). `flash`: the attention
-    core fused (flash_attention_saving)."""
+    core fused (flash_attention_saving). `fp8`: the Linear layers' GEMMs in FP8."""
     gemms = block_gemms(s, b, h, a, t)
     forward_bytes, backward_bytes = block_elementwise_bytes(s, b, h, a, t, sp, value_bytes)
     extra_backward: list[tuple[int, int, int, int]] = []
     if flash:
         forward_saved, backward_saved, extra_backward = flash_attention_saving(s, b, h, a, t, value_bytes)
         forward_bytes, backward_bytes = forward_bytes - forward_saved, backward_bytes - backward_saved
-    forward = seconds(spec, gemms, forward_bytes, value_bytes)
-    backward = seconds(spec, backward_gemms(gemms) + extra_backward, backward_bytes, value_bytes)
+    forward = seconds(spec, gemms, forward_bytes, value_bytes, fp8)
+    backward = seconds(spec, backward_gemms(gemms) + extra_backward, backward_bytes, value_bytes, fp8)
     if recompute == "full":
         backward += forward
     elif recompute == "selective":

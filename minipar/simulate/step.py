@@ -56,7 +56,11 @@ from minipar.simulate.model import (
 # ZeRO paper counts it: 2-byte weights and gradients, 12 bytes of fp32 master copy and Adam moments.
 # ZeRO-3 in bf16 gathers the 2-byte weights, as `minipar train` does (parallel/zero3.py); minipar's
 # own gradients stay fp32 (g = 4, reduce-scattered in fp32), where the paper's recipe sends 2 bytes.
-PRECISION_BYTES = {"fp64": (8, 8, 16, 8), "fp32": (4, 4, 8, 4), "bf16": (2, 2, 12, 2), "fp16": (2, 2, 12, 2)}
+# FP8 (kernels.py: the Linear layers' GEMMs on FP8 operands) keeps bf16's bytes: weights, gradients,
+# master copy and the activations a block saves are counted as bf16's (an upper bound: Transformer
+# Engine may save a Linear's input in FP8).
+PRECISION_BYTES = {"fp64": (8, 8, 16, 8), "fp32": (4, 4, 8, 4), "bf16": (2, 2, 12, 2), "fp16": (2, 2, 12, 2),
+                   "fp8": (2, 2, 12, 2)}
 
 
 @dataclass(frozen=True)
@@ -225,10 +229,10 @@ def _compute_seconds(m: ModelShape, lay: Layout, mach: Machine) -> tuple[Seconds
     b, layers_here = lay.microbatch_size, max(lay.blocks_per_stage(m.n_layer))
     if mach.kernels is not None:
         value_bytes = PRECISION_BYTES[lay.precision][3]
-        if lay.precision not in kernels.PRECISIONS:
+        if not kernels.supports(mach.kernels, lay.precision):
             raise ValueError(kernels.precision_error(mach.name, lay.precision))
         block = kernels.block_seconds(mach.kernels, m.seq_len, b, m.d_model, m.n_head, lay.tp, lay.sp,
-                                      lay.recompute, value_bytes, lay.flash_attention)
+                                      lay.recompute, value_bytes, lay.flash_attention, lay.precision == "fp8")
         logits = kernels.logit_seconds(mach.kernels, m.seq_len, b, m.d_model, m.vocab, lay.tp, value_bytes)
         scale = mach.matmul_efficiency
         return ((layers_here * block[0] / scale, layers_here * block[1] / scale),
@@ -251,6 +255,8 @@ def _linear_seconds(m: ModelShape, lay: Layout, mach: Machine) -> list[float]:
     gemms = [g for g in kernels.block_gemms(m.seq_len, b, h, m.n_head, t) if g[3] == 1]  # not per head
     if mach.kernels is not None:
         value_bytes = PRECISION_BYTES[lay.precision][3]
+        if lay.precision == "fp8":
+            return [kernels.fp8_gemm_seconds(mach.kernels, *g) / mach.matmul_efficiency for g in gemms]
         return [kernels.gemm_seconds(mach.kernels, *g, value_bytes=value_bytes) / mach.matmul_efficiency
                 for g in gemms]
     return [2 * mm * n * k / mach.achieved_flops for mm, n, k, _ in gemms]

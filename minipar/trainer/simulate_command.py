@@ -93,7 +93,7 @@ def _run_of(parser, args) -> tuple[ModelShape, Layout]:
         parser.error(errors[0])
     if not args.preset and args.precision is None:
         # bytes per value, kernel traffic and memory all scale with it: no silent default
-        parser.error("--precision is required without --preset (fp32, bf16, fp16 or fp64)")
+        parser.error("--precision is required without --preset (fp32, bf16, fp16, fp8 or fp64)")
     return shape, layout
 
 
@@ -193,7 +193,7 @@ def simulate_main(argv: list[str]) -> int:
         if args.gpus is not None and args.gpus > MAX_GPUS:
             parser.error(f"--gpus {args.gpus:,} is more than the {MAX_GPUS:,} a search takes")
         shape, layout = _run_of(parser, args) if not args.search else _search_run_of(parser, args)
-        if mach.kernels is not None and layout.precision not in kernels.PRECISIONS:
+        if mach.kernels is not None and not kernels.supports(mach.kernels, layout.precision):
             parser.error(kernels.precision_error(mach.name, layout.precision))
     except SystemExit as exit_request:
         return int(exit_request.code or 0)

@@ -15,7 +15,7 @@ from minipar.trainer.arguments import fail
 from minipar_lab.bench.canvas import NoMatplotlib
 
 BENCHES = ("autograd", "dp", "pp", "tp", "fusion", "precision", "layouts", "memory", "tracer", "gpu",
-           "recompute", "context", "simulate", "profile", "zero3", "checkpoint", "trace", "saved")
+           "recompute", "context", "simulate", "profile", "zero3", "checkpoint", "trace", "saved", "fp8")
 QUICK = ("autograd", "dp", "pp", "tp", "fusion", "precision")  # what `bench all` runs (gpu needs a GPU)
 
 

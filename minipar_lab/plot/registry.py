@@ -17,7 +17,7 @@ from minipar.trainer.arguments import OneLineParser, fail
 from minipar_lab.bench import canvas
 
 FIGURES = ("loss", "gantt", "gantt_v", "bubble", "zero", "allreduce", "offload", "roofline",  # drawn here
-           "trace", "precision", "context", "simulate")  # drawn by a benchmark's own --plot
+           "trace", "precision", "context", "simulate", "fp8")  # drawn by a benchmark's own --plot
 
 
 def parser_of(name: str, module) -> OneLineParser:

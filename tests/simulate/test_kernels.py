@@ -84,6 +84,38 @@ def test_block_is_its_gemms_then_its_elementwise_bytes():
     assert full - none == pytest.approx(expected, rel=1e-12)
 
 
+# H100 SXM: the Hopper whitepaper's dense peaks (BF16 989.4, FP8 1978.9 TFLOP/s), Bekman's measured bf16
+# MAMF 794.5; FP8's ceiling assumed at bf16's share of the peak (kernels.py's docstring)
+H100 = kernels.H100_SXM
+H100_MAMF, H100_FP8 = 794.5e12, 794.5e12 * 1978.9 / 989.4
+
+
+def test_fp8_gemm_of_whole_waves_runs_at_the_fp8_ceiling():
+    # 3072 x 1408 in 256x128 tiles: 12 x 11 = 132 tiles, one wave of 132 SMs: the FLOPs at the ceiling
+    m, n, k = 3072, 1408, 8192
+    flops = 2 * m * n * k
+    assert kernels.fp8_gemm_seconds(H100, m, n, k) == pytest.approx(flops / 1589.1e12, rel=1e-4)
+    assert kernels.fp8_gemm_seconds(H100, m, n, k) == pytest.approx(flops / H100_FP8, rel=1e-12)
+    assert kernels.gemm_seconds(H100, m, n, k) == pytest.approx(flops / H100_MAMF, rel=1e-12)
+
+
+def test_fp8_runs_the_linear_gemms_only():
+    """s·b = 2816 tokens, h = 1536, tp 1: every Linear GEMM of the forward is whole waves of 256x128
+    tiles (11 row tiles x 36, 12 or 48 column tiles: 3, 1 and 4 waves of 132), so each runs at its
+    ceiling; FP8 takes sum(2mnk) x (1/bf16 - 1/fp8) off the forward, the per-head GEMMs and the
+    elementwise passes unchanged. And simulate_step's block is that over the one efficiency."""
+    s, b, h, a = 2816, 1, 1536, 16
+    linears = [(s, 3 * h, h), (s, h, h), (s, 4 * h, h), (s, h, 4 * h)]
+    saved = sum(2 * m * n * k for m, n, k in linears) * (1 / H100_MAMF - 1 / H100_FP8)
+    bf16, fp8 = (kernels.block_seconds(H100, s, b, h, a, fp8=f)[0] for f in (False, True))
+    assert bf16 - fp8 == pytest.approx(saved, rel=1e-9)
+    shape, mach = ModelShape(1, h, a, s, 1024), GPUS["h100-80gb"]
+    steps = {p: simulate_step(shape, Layout(1, precision=p), mach) for p in ("bf16", "fp8")}
+    assert steps["fp8"]["memory"] == steps["bf16"]["memory"]  # bf16's bytes (step.py)
+    # the forward saves that over the efficiency, the backward (twice the FLOPs) more again
+    assert steps["bf16"]["step_s"] - steps["fp8"]["step_s"] > 2 * saved / mach.matmul_efficiency
+
+
 # ---- what step.py composes ---------------------------------------------------------------------------
 
 QUIET = replace(GPUS["a100-80gb"], kernels=None, intra_latency=0.0, intra_bandwidth=float("inf"),

@@ -119,7 +119,7 @@ def test_precision_is_required_without_a_preset(capsys):
     # no silent fp32: a bf16 run compared with an fp32 prediction is 2x off in every byte
     assert simulate_main([]) == 2
     assert capsys.readouterr().err == ("minipar simulate: error: --precision is required without --preset "
-                                       "(fp32, bf16, fp16 or fp64)\n")
+                                       "(fp32, bf16, fp16, fp8 or fp64)\n")
     assert simulate_main(["--precision", "bf16", "--json"]) == 0
     assert simulate_main(["--preset", "megatron-1.7b", "--json"]) == 0
     capsys.readouterr()
@@ -127,6 +127,11 @@ def test_precision_is_required_without_a_preset(capsys):
     assert simulate_main(["--precision", "fp32"]) == 2
     assert capsys.readouterr().err == ("minipar simulate: error: --precision fp32 on a100-80gb: its kernel "
                                        "model has measured bf16/fp16 matmul rates only (use bf16 or fp16)\n")
+    # A100 has no FP8 tensor cores; H100 has
+    assert simulate_main(["--precision", "fp8"]) == 2
+    assert capsys.readouterr().err == ("minipar simulate: error: --precision fp8 on a100-80gb: it has no FP8 "
+                                       "tensor cores (use --gpu h100-80gb, or bf16)\n")
+    assert simulate_main(["--precision", "fp8", "--gpu", "h100-80gb", "--json"]) == 0
 
 
 def test_bad_input_is_one_line_and_exit_code_2(capsys):

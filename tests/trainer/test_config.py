@@ -57,7 +57,7 @@ FLAGS = {
     "--precision": ("fp32", ("fp64", "fp32", "bf16", "fp16", "fp8"), str),
     "--fp8-recipe": ("delayed", ("delayed", "current", "block"), str),
     "--fp8-block": (128, None, int),
-    "--fp8-accumulate": ("fp32", ("fp32", "fp64"), str),
+    "--fp8-accumulate": ("fp32", ("fp32", "fp64", "tc13"), str),
     "--fused": (False, None, SWITCH),
     "--optimizer": ("adamw", ("adamw", "sgd"), str),
     "--lr": (1.5e-3, None, float),
