@@ -56,6 +56,7 @@ import json
 import math
 import mmap
 import os
+import queue
 import re
 import shutil
 import stat
@@ -137,6 +138,29 @@ class SaveFailed(OSError):
 # durable, and nothing is pruned before the new manifest is.
 
 
+class Writer:
+    """This process's checkpoint writer: one daemon thread, started at the first asynchronous save, that
+    runs the tasks handed to it in order (file I/O only, never an MPI call). One thread for all saves:
+    starting a thread makes the caller wait until the new one runs, a time slice on a busy machine."""
+
+    def __init__(self):
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def run(self, task) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.serve, name="minipar-checkpoint-writer", daemon=True)
+            self.thread.start()
+        self.tasks.put(task)
+
+    def serve(self) -> None:
+        while True:
+            self.tasks.get()()
+
+
+WRITER = Writer()
+
+
 class PendingSave:
     """A save in flight: its step, folder and stage ("shards": every rank's writer writes its file;
     "commit": rank 0's writes the manifests and prunes), and the stage's outcome."""
@@ -148,22 +172,27 @@ class PendingSave:
         self.stage = "shards"
         self.written: tuple | None = None  # the shard's (size, SHA-256)
         self.problem: str | None = None
-        self.thread: threading.Thread | None = None
+        self.finished: threading.Event | None = None  # set when the writer is done; None: nothing to write
 
     def start(self, work, *args) -> None:
-        """Run work(*args) on a writer thread: file I/O only."""
-        self.thread = threading.Thread(target=self.attempt, args=(work, *args),
-                                       name="minipar-checkpoint-writer", daemon=True)
-        self.thread.start()
+        """Have the writer thread run work(*args): file I/O only."""
+        self.finished = threading.Event()
+        WRITER.run(lambda: self.attempt(work, *args))
 
-    def attempt(self, work, *args) -> None:  # the writer thread
+    def attempt(self, work, *args) -> None:  # on the writer thread
         try:
             self.written, self.problem = _attempt(work, *args)
         except Exception as error:  # reported at a boundary, on every rank, like a full disk
             self.problem = f"{type(error).__name__}: {error}"
+        finally:
+            self.finished.set()
 
     def done(self) -> bool:
-        return self.thread is None or not self.thread.is_alive()
+        return self.finished is None or self.finished.is_set()
+
+    def wait(self) -> None:
+        if self.finished is not None:
+            self.finished.wait()  # file I/O only: it ends, or an error ends it
 
     def failed(self, problem: str) -> SaveFailed:
         return SaveFailed(f"--save {self.directory}: the checkpoint of step {self.step} was not written "
@@ -198,8 +227,7 @@ def finish_save(pending: PendingSave | None, engine, wait: bool = False) -> Pend
     Collective over the world."""
     while pending is not None:
         if wait:
-            if pending.thread is not None:
-                pending.thread.join()  # file I/O only: it ends, or an error ends it
+            pending.wait()
         elif not engine.grid.world.allreduce_obj(int(pending.done()), op="min"):  # the agreement
             return pending
         pending = next_stage(pending, engine)
@@ -225,7 +253,7 @@ def next_stage(pending: PendingSave, engine) -> PendingSave | None:
     problem = world.bcast_obj(problem)
     if problem is not None:
         raise pending.failed(problem)
-    pending.stage, pending.thread = "commit", None
+    pending.stage, pending.finished = "commit", None
     if world.rank == 0:  # every shard is durable: the manifest may name them
         pending.start(write_manifests, pending.directory, pending.folder, (pending.head, files), pending.keep)
     return pending

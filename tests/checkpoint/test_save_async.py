@@ -104,7 +104,7 @@ def test_the_commit_held_on_an_event_training_passes_the_next_step(tmp_path, mon
     class Probe(train.Trainer):
         def step(self, step):
             if step == 2:
-                self.pending_save.thread.join()  # the shards are written: the next boundary commits
+                self.pending_save.wait()  # the shards are written: the next boundary commits
             if step == 3:
                 seen.append((self.pending_save.stage, self.pending_save.done(),
                              (tmp_path / "manifest.json").exists()))
