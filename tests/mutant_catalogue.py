@@ -441,7 +441,8 @@ MUTANTS = [
            tests=("tests/plot/test_figures.py::test_curves_of_a_log_written_under_launch_skip_restarts_and_take_the"
                   "_later_record_of_a_step",)),
     Mutant("bench-checkpoint-steps-without-their-save", "minipar_lab/bench/checkpoint.py",
-           "            trainer.periodic_save(step + 1)\n", "", tests=(CHECKPOINT_BENCH_TESTS,)),
+           "                trainer.periodic_save(step)\n", "                pass\n",
+           tests=(CHECKPOINT_BENCH_TESTS,)),
     Mutant("bench-checkpoint-async-way-saves-synchronously", "minipar_lab/bench/checkpoint.py",
            '"async": {"save_every": every, "save_async": True}', '"async": {"save_every": every}',
            tests=(CHECKPOINT_BENCH_TESTS,)),

@@ -5,11 +5,11 @@ synchronous save every K steps (`--save DIR --save-every K`) and an asynchronous
 `--save-async`). A save writes every parameter with its AdamW moments (checkpoint/sharded.py: an .npz,
 its SHA-256, fsync, rename, then the manifest), so at a wide model with few tokens a step the save costs
 a good part of the step. A round times a few consecutive steps of each way in turn (timing.py
-`round_times`, alternating, shuffled), each step with its boundary as the training loop runs it (the
-stage of the save in flight moved on, a save started every K steps), then, timed too, the wait for the
-way's last save to be committed: every save a round starts is paid for in that round, and no writer
-runs beside another way's steps. The steps are numbered so that a round's last save comes K - 1 steps
-before its end, as it does in a run, where it overlaps the next steps. The table: the median step of
+`round_times`, alternating, shuffled), as the training loop runs them: a round opens with a save's
+boundary (K divides the round's steps), each step follows its boundary (the stage of the save in flight
+moved on, a save started every K steps), and the round ends with the wait for its last save, timed: the
+wait the next round's first boundary would make. So every save a round starts is paid for in that
+round, after K steps to hide behind, as in a run, and no writer runs beside another way's steps. The table: the median step of
 each way and its cost over no saving, as the median of the per-round ratios.
 
 What the asynchronous save still pays on the training thread: the copy of the state, the collectives
@@ -29,6 +29,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -52,40 +53,58 @@ def trainers(cfg: TrainConfig, folder: Path, every: int = 1) -> dict[str, Traine
             for mode, options in modes(every).items()}
 
 
-def steps_of(trainer: Trainer, count: int, first: int = 0) -> Callable:
-    """`count` more training steps of `trainer` from step `first`, each with its save boundary, as the
-    training loop runs them (loop.py `train_and_save`); then the wait for the save in flight."""
-    next_step = [first]
+def steps_of(trainer: Trainer, count: int) -> Callable:
+    """`count` more training steps of `trainer`, each after its step boundary as the training loop runs
+    them (loop.py `train_and_save`: the save in flight moved on, a save every K steps), then the wait
+    for the save in flight, which the next boundary, a save's, would make."""
+    next_step = [0]
 
     def run_steps() -> None:
         for _ in range(count):
             step = next_step[0]
+            if step:  # the boundary after `step` steps: none before the first
+                trainer.periodic_save(step)
             trainer.records.append(trainer.step(step))
-            trainer.periodic_save(step + 1)
             next_step[0] = step + 1
         trainer.pending_save = checkpoint.finish_save(trainer.pending_save, trainer.engine, wait=True)
 
     return run_steps
 
 
+def with_cpu(work: Callable, seconds: list) -> Callable:
+    """work, noting the CPU seconds of each run: (this thread's, the other threads' of the process: the
+    writer's, and BLAS's where it has more than one thread). Unlike the step's time, they hardly move
+    with the machine's load: what a save costs the training thread, and what it needs of another core."""
+    def run() -> None:
+        main, process = time.thread_time(), time.process_time()
+        work()
+        main = time.thread_time() - main
+        seconds.append((main, time.process_time() - process - main))
+
+    return run
+
+
 def checkpoint_figures(d_model: int, n_layer: int, seq_len: int, batch: int, every: int, steps_per_round: int,
                        repeats: int, folder: Path) -> dict:
     """Median seconds a step (with its save) of each way; the ways' costs over no saving."""
-    first = every - 1  # each round's last save: every - 1 steps before its end
-    steps = first + (repeats + 1) * steps_per_round + 1  # the warm-up and every round, none the last step
+    steps = (repeats + 1) * steps_per_round + 1  # the warm-up and every round, none of them the last step
     cfg = TrainConfig(n_layer=n_layer, d_model=d_model, n_head=max(1, d_model // 64), seq_len=seq_len,
                       batch_size=batch, steps=steps, quiet=True)
     ways = trainers(cfg, folder, every)
+    cpu: dict[str, list] = {mode: [] for mode in ways}
     try:
-        times = round_times({mode: steps_of(t, steps_per_round, first) for mode, t in ways.items()}, repeats)
+        times = round_times({mode: with_cpu(steps_of(t, steps_per_round), cpu[mode])
+                             for mode, t in ways.items()}, repeats)
     finally:
         for trainer in ways.values():
             trainer.memory.close()
     rows = []
     for mode in ways:
         step_s, step_spread = spread(times[mode] / steps_per_round)
+        main_s, other_s = np.median(np.array(cpu[mode][1:]), axis=0) / steps_per_round  # [0]: the warm-up
         rows.append({"mode": mode, "step_ms": 1e3 * step_s, "step_ms_spread": 1e3 * step_spread,
-                     "over_none": float(np.median(times[mode] / times["none"])) - 1})
+                     "over_none": float(np.median(times[mode] / times["none"])) - 1,
+                     "main_cpu_ms": 1e3 * main_s, "other_cpu_ms": 1e3 * other_s})
     saved = sorted((folder / "sync").glob("step-*"))
     return {"config": {"d_model": d_model, "n_layer": n_layer, "seq_len": seq_len, "batch": batch,
                        "save_every": every, "steps_per_round": steps_per_round, "repeats": repeats},
@@ -123,6 +142,8 @@ def main(argv) -> int:
     names = {"none": "no saving", "sync": every, "async": f"{every} --save-async"}
     columns = [("saving", lambda r: names[r["mode"]]),
                ("step", lambda r: f"{plus_minus(r['step_ms'], r['step_ms_spread'])} ms"),
-               ("over no saving", lambda r: f"{100 * r['over_none']:+.1f}%")]
+               ("over no saving", lambda r: f"{100 * r['over_none']:+.1f}%"),
+               ("CPU: training thread", lambda r: f"{r['main_cpu_ms']:.1f} ms"),
+               ("other threads", lambda r: f"{r['other_cpu_ms']:.1f} ms")]
     print("\n".join(right_aligned(figures["modes"], columns)))
     return 0
