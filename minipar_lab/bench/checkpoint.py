@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -128,16 +129,19 @@ def main(argv) -> int:
     if args.save_every < 1 or args.steps_per_round < 1 or args.steps_per_round % args.save_every:
         parser.error("--steps-per-round must be a positive multiple of --save-every (each round saves "
                      "as often)")
+    load = os.getloadavg()[0]  # the step's time moves with it, the CPU columns hardly
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
         figures = checkpoint_figures(args.d_model, args.n_layer, args.seq_len, args.batch,
                                      args.save_every, args.steps_per_round, args.repeats, Path(folder))
+    figures["load_average"] = [load, os.getloadavg()[0]]
     if args.json:
         json.dump(figures, sys.stdout)
         print()
         return 0
     print(f"GPT d_model {args.d_model}, {args.n_layer} layers, seq {args.seq_len}, batch {args.batch}, fp32, "
           f"one process; checkpoint {figures['checkpoint_bytes'] / 2**20:.1f} MiB; median of {args.repeats} "
-          f"alternating rounds of {args.steps_per_round} steps ({SPREAD})")
+          f"alternating rounds of {args.steps_per_round} steps ({SPREAD}); load average "
+          f"{load:.2f} at the start, {figures['load_average'][1]:.2f} at the end")
     every = f"--save-every {args.save_every}"
     names = {"none": "no saving", "sync": every, "async": f"{every} --save-async"}
     columns = [("saving", lambda r: names[r["mode"]]),
