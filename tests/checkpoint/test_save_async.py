@@ -3,8 +3,10 @@ thread while training goes on, committed at a later step boundary.
 
 The oracles: the uninterrupted synchronous run (a resume from an asynchronous checkpoint reproduces
 its losses and weights bit for bit); a writer held on an event (training must pass the next step
-while no manifest exists, or the save was not asynchronous); a writer whose disk is full (one line at
-the next boundary, the previous checkpoint intact). One process here; spawned kills on 2 ranks.
+while no manifest exists, or the save was not asynchronous), and so the commit (rank 0's writer writes
+the manifests and prunes); np.savez (a shard is its bytes, and the manifest their size and SHA-256);
+a writer whose disk is full (one line at the next boundary, the previous checkpoint intact). One
+process here; spawned kills on 2 ranks.
 """
 
 from __future__ import annotations
