@@ -170,7 +170,7 @@ class PendingSave:
         self.directory, self.step, self.folder, self.file = directory, step, folder, file
         self.mine, self.counts, self.keep, self.head = mine, counts, keep, head  # head: at the step saved
         self.stage = "shards"
-        self.written: tuple | None = None  # the shard's (size, SHA-256)
+        self.written: tuple | None = None  # what the stage's work returned: the shard's (size, SHA-256)
         self.problem: str | None = None
         self.finished: threading.Event | None = None  # set when the writer is done; None: nothing to write
 
@@ -199,7 +199,7 @@ class PendingSave:
                           f"({problem}); the previous one is intact")
 
 
-def start_save(directory, engine, step: int, keep: int = 1) -> PendingSave | None:
+def start_save(directory, engine, step: int, keep: int = 1) -> PendingSave:
     """Begin a save of the state after `step` steps: collective over the world, then this rank's pieces
     are written by a thread. SaveFailed on every rank if the folder could not be made."""
     directory, world = Path(directory), engine.grid.world
