@@ -35,6 +35,7 @@ COMM_TESTS = ("tests/distributed/test_comm.py", "tests/distributed/test_collecti
 TRACE_TESTS = "tests/trainer/test_trace.py"
 TRACE_BENCH_TESTS = "tests/bench/test_trace_bench.py"
 CHECKPOINT_BENCH_TESTS = "tests/bench/test_checkpoint_bench.py"
+SAVE_ASYNC_TESTS = "tests/checkpoint/test_save_async.py"
 SAVED_BENCH_TESTS = "tests/bench/test_saved_bench.py"
 FP8_BENCH_TESTS = "tests/bench/test_fp8_bench.py"
 
@@ -623,10 +624,23 @@ MUTANTS = [
            tests=("tests/plot/test_figures.py::test_curves_of_a_log_written_under_launch_skip_restarts_and_take_the"
                   "_later_record_of_a_step",)),
     Mutant("bench-checkpoint-steps-without-their-save", "minipar_lab/bench/checkpoint.py",
-           "            trainer.periodic_save(step + 1)\n", "", tests=(CHECKPOINT_BENCH_TESTS,)),
-    Mutant("bench-checkpoint-async-way-saves-synchronously", "minipar_lab/bench/checkpoint.py",
-           '"async": {"save_every": 1, "save_async": True}', '"async": {"save_every": 1}',
+           "                trainer.periodic_save(step)\n", "                pass\n",
            tests=(CHECKPOINT_BENCH_TESTS,)),
+    Mutant("bench-checkpoint-async-way-saves-synchronously", "minipar_lab/bench/checkpoint.py",
+           '"async": {"save_every": every, "save_async": True}', '"async": {"save_every": every}',
+           tests=(CHECKPOINT_BENCH_TESTS,)),
+    Mutant("bench-checkpoint-round-leaves-its-save-in-flight", "minipar_lab/bench/checkpoint.py",
+           "        trainer.pending_save = checkpoint.finish_save(trainer.pending_save, trainer.engine, "
+           "wait=True)\n", "", tests=(CHECKPOINT_BENCH_TESTS,)),
+    # ---- issue 40: what --save-async leaves on the training thread ----
+    Mutant("checkpoint-pieces-alias-the-live-arrays", "minipar/parallel/logical_state.py",
+           "    return np.array(current_backend().to_host(array))",
+           "    return np.asarray(current_backend().to_host(array))", tests=(SAVE_ASYNC_TESTS,)),
+    Mutant("checkpoint-async-commit-on-the-training-thread", "minipar/checkpoint/sharded.py",
+           "        pending.start(write_manifests, pending.directory,",
+           "        pending.attempt(write_manifests, pending.directory,", tests=(SAVE_ASYNC_TESTS,)),
+    Mutant("checkpoint-shard-fortran-order-written-as-c", "minipar/checkpoint/sharded.py",
+           "        array = np.ascontiguousarray(array)\n", "", tests=(SAVE_ASYNC_TESTS,)),
     # ---- issue 39: bench saved, minipar's bytes saved for backward against PyTorch's ----
     Mutant("bench-saved-counts-a-storage-once-per-save", "minipar_lab/bench/saved.py",
            "self.nbytes[storage.data_ptr()] = storage.nbytes()",

@@ -24,10 +24,13 @@ is as careful: the manifest and every shard must be regular files (a FIFO would 
 never end), and a shard's size is compared with the manifest's before a byte of it is read.
 
 --save-async (`start_save`, `finish_save`): the same files and commit, with this rank's pieces copied at
-the step boundary and written by a thread that does file I/O only while training goes on; the commit
-(every rank's file written, then rank 0's manifest) runs on the main thread at a later step boundary,
-once one small collective says every rank's writer is done; at most one save is in flight. It saves
-the step time of the writing (not of the copy), and costs a copy of the pieces in memory meanwhile.
+the step boundary and written by a thread that does file I/O only while training goes on; at a later
+step boundary, once one small collective says every rank's writer is done, the main thread gathers
+the shards' digests and rank 0's writer thread writes the manifests and prunes (in save()'s order);
+the boundary after that learns the outcome. At most one save is in flight. It saves the step time of
+the writing, hashing, fsyncs and unlinks (not of the copy), and costs a copy of the pieces in memory
+meanwhile and a core for the writer: the shard is written from the arrays' own memory and hashed
+through a memory map (`write_npz`), so the writer thread holds the GIL very little.
 
 What is saved: the parameters and optimizer states, the optimizer's step count, the loss scaler (fp16),
 FP8's delayed amax history (by layer name, in the manifest) and the step. The step is also the data
@@ -50,14 +53,16 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
-import io
 import json
 import math
+import mmap
 import os
+import queue
 import re
 import shutil
 import stat
 import threading
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +114,7 @@ def save(directory, engine, step: int, keep: int = 1) -> None:
     if world.rank == 0:
         problem = next((entry for entry in files if isinstance(entry, str)), None)
         if problem is None:
-            _, problem = _attempt(commit, directory, engine, step, folder, files, keep, "now", history)
+            _, problem = _attempt(commit, directory, engine, step, folder, files, keep, history)
     problem = world.bcast_obj(problem)  # no rank returns before the checkpoint is committed
     if problem is not None:
         raise SaveFailed(f"--save {directory}: the checkpoint of step {step} was not written ({problem}); "
@@ -122,42 +127,86 @@ class SaveFailed(OSError):
 
 # ---- saving asynchronously (--save-async) ------------------------------------------------------------
 #
-# The same files and commit as save(), cut in three: at the step boundary of the save, `start_save`
-# agrees on the folder and which rank writes which piece (the collectives save() makes), copies this
-# rank's pieces and hands them to a thread that only writes files (no MPI call: MPI is not asked for
+# The same files and commit as save(), cut in stages: at the step boundary of the save, `start_save`
+# agrees on the folder and which rank writes which piece (the collectives save() makes), takes this
+# rank's pieces (copies: checkpoint_pieces hands out host copies, which the optimizer's next step does
+# not touch) and hands them to a thread that only writes files (no MPI call: MPI is not asked for
 # thread support, and the main thread's collectives must stay in order); training goes on. At each later
-# step boundary `finish_save` asks, by one small collective, whether every rank's writer is done: if so,
-# the commit runs as in save() (gather, rank 0's manifest, broadcast of its outcome); with `wait`, each
-# rank first waits for its own writer (the next save, or the end of the run). A kill at any moment
-# leaves the last committed checkpoint: nothing is renamed over it before the commit.
+# step boundary `finish_save` asks, by one small collective, whether every rank's writer is done. Once
+# the shards are: the gather of their sizes and digests, then rank 0's writer writes the manifests (the
+# commit point) and prunes, in save()'s order; the boundary after that learns its outcome (one broadcast)
+# and the save is over. The main thread decides, and the writers do the writing, fsyncs and unlinks
+# included. With `wait` (the next save, the end of the run), each stage is waited for. A kill at any
+# moment leaves the last committed checkpoint: nothing is renamed over it before every shard is
+# durable, and nothing is pruned before the new manifest is.
+
+
+class Writer:
+    """This process's checkpoint writer: one daemon thread, started at the first asynchronous save, that
+    runs the tasks handed to it in order (file I/O only, never an MPI call). One thread for all saves:
+    starting a thread makes the caller wait until the new one runs, a time slice on a busy machine."""
+
+    def __init__(self):
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def run(self, task) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.serve, name="minipar-checkpoint-writer", daemon=True)
+            self.thread.start()
+        self.tasks.put(task)
+
+    def serve(self) -> None:
+        while True:
+            self.tasks.get()()
+
+
+WRITER = Writer()
 
 
 class PendingSave:
-    """A save whose files a writer thread is writing: its step, folder and outcome."""
+    """A save in flight: its step, folder and stage ("shards": every rank's writer writes its file;
+    "commit": rank 0's writes the manifests and prunes), and the stage's outcome."""
 
     def __init__(self, directory: Path, step: int, folder: str, file: str, mine: list, counts: dict,
-                 keep: int, scaler: dict | None, history: dict | None = None):
+                 keep: int, head: dict):
         self.directory, self.step, self.folder, self.file = directory, step, folder, file
-        self.mine, self.counts, self.keep, self.scaler, self.history = mine, counts, keep, scaler, history
-        self.written: tuple | None = None
+        self.mine, self.counts, self.keep, self.head = mine, counts, keep, head  # head: at the step saved
+        self.stage = "shards"
+        self.written: tuple | None = None  # what the stage's work returned: the shard's (size, SHA-256)
         self.problem: str | None = None
-        self.thread: threading.Thread | None = None
+        self.finished: threading.Event | None = None  # set when the writer is done; None: nothing to write
 
-    def write(self, arrays: dict, rank: int) -> None:  # the writer thread: file I/O only
+    def start(self, work, *args) -> None:
+        """Have the writer thread run work(*args): file I/O only."""
+        self.finished = threading.Event()
+        WRITER.run(lambda: self.attempt(work, *args))
+
+    def attempt(self, work, *args) -> None:  # on the writer thread
         try:
-            self.written, self.problem = _attempt(write_npz, self.directory / self.file, arrays, rank)
-        except Exception as error:  # reported at the commit, on every rank, like a full disk
+            self.written, self.problem = _attempt(work, *args)
+        except Exception as error:  # reported at a boundary, on every rank, like a full disk
             self.problem = f"{type(error).__name__}: {error}"
+        finally:
+            self.finished.set()
 
     def done(self) -> bool:
-        return self.thread is None or not self.thread.is_alive()
+        return self.finished is None or self.finished.is_set()
+
+    def wait(self) -> None:
+        if self.finished is not None:
+            self.finished.wait()  # file I/O only: it ends, or an error ends it
+
+    def failed(self, problem: str) -> SaveFailed:
+        return SaveFailed(f"--save {self.directory}: the checkpoint of step {self.step} was not written "
+                          f"({problem}); the previous one is intact")
 
 
-def start_save(directory, engine, step: int, keep: int = 1) -> PendingSave | None:
+def start_save(directory, engine, step: int, keep: int = 1) -> PendingSave:
     """Begin a save of the state after `step` steps: collective over the world, then this rank's pieces
-    are copied and written by a thread. None if the folder could not be made (SaveFailed on every rank)."""
+    are written by a thread. SaveFailed on every rank if the folder could not be made."""
     directory, world = Path(directory), engine.grid.world
-    held = engine.updater.checkpoint_pieces()
+    held = engine.updater.checkpoint_pieces()  # host copies (logical_state.to_host): the snapshot
     keys = {(name, kind, piece) for name, kinds in held.items() for kind, (piece, _) in kinds.items()
             if piece.full_shape != ()}
     counts = {name: {kind: int(count) for kind, (piece, count) in kinds.items() if piece.full_shape == ()}
@@ -165,43 +214,52 @@ def start_save(directory, engine, step: int, keep: int = 1) -> PendingSave | Non
     earlier = set().union(*world.allgather_obj(keys)[: world.rank])
     mine = sorted(keys - earlier, key=lambda key: key[:2])
     folder, problem = world.bcast_obj(_attempt(new_folder, directory, step) if world.rank == 0 else None)
-    if problem is not None:
-        raise SaveFailed(f"--save {directory}: the checkpoint of step {step} was not written ({problem}); "
-                         "the previous one is intact")
     pending = PendingSave(directory, step, folder, f"{folder}/rank{world.rank:05d}.npz", mine, counts, keep,
-                          loss_scaler_state(engine), amax_history(engine))
-    snapshot = {f"{name}/{kind}": np.array(held[name][kind][1], copy=True) for name, kind, _ in mine}
-    pending.thread = threading.Thread(target=pending.write, args=(snapshot, world.rank),
-                                      name="minipar-checkpoint-writer", daemon=True)
-    pending.thread.start()
+                          manifest_head(engine, step, amax_history(engine)))
+    if problem is not None:
+        raise pending.failed(problem)
+    snapshot = {f"{name}/{kind}": held[name][kind][1] for name, kind, _ in mine}
+    pending.start(write_npz, directory / pending.file, snapshot, world.rank)
     inject_fault(world.rank, "after the snapshot of its save", save="snapshot")  # tests: a kill here
     return pending
 
 
 def finish_save(pending: PendingSave | None, engine, wait: bool = False) -> PendingSave | None:
-    """At a step boundary: commit `pending` if every rank's writer is done (or, with `wait`, once they
-    are), and return None; else return it, still in flight. Collective over the world."""
-    if pending is None:
-        return None
+    """At a step boundary: if every rank's writer is done with the stage of `pending` (or, with `wait`,
+    once it is), take it to the next stage. Returns the save still in flight, or None once committed.
+    Collective over the world."""
+    while pending is not None:
+        if wait:
+            pending.wait()
+        elif not engine.grid.world.allreduce_obj(int(pending.done()), op="min"):  # the agreement
+            return pending
+        pending = next_stage(pending, engine)
+        if not wait:
+            return pending
+    return None
+
+
+def next_stage(pending: PendingSave, engine) -> PendingSave | None:
+    """Every writer is done with the stage: after the shards, rank 0's writer commits (None: committed)."""
     world = engine.grid.world
-    if wait:
-        pending.thread.join()  # file I/O only: it ends, or the disk's error ends it
-    elif not world.allreduce_obj(int(pending.done()), op="min"):  # the agreement: all done, or wait on
-        return pending
+    if pending.stage == "commit":  # rank 0's writer wrote the manifests; the others had nothing to do
+        problem = world.bcast_obj(pending.problem)
+        if problem is not None:
+            raise pending.failed(problem)
+        return None
     mine = (pending.file, *pending.written, pending.mine, pending.counts) if pending.problem is None \
         else pending.problem
     files = world.gather_obj(mine)
     problem = None
     if world.rank == 0:
         problem = next((entry for entry in files if isinstance(entry, str)), None)
-        if problem is None:
-            _, problem = _attempt(commit, pending.directory, engine, pending.step, pending.folder, files,
-                                  pending.keep, pending.scaler, pending.history)
     problem = world.bcast_obj(problem)
     if problem is not None:
-        raise SaveFailed(f"--save {pending.directory}: the checkpoint of step {pending.step} was not "
-                         f"written ({problem}); the previous one is intact")
-    return None
+        raise pending.failed(problem)
+    pending.stage, pending.finished = "commit", None
+    if world.rank == 0:  # every shard is durable: the manifest may name them
+        pending.start(write_manifests, pending.directory, pending.folder, (pending.head, files), pending.keep)
+    return pending
 
 
 def _attempt(write, *args):
@@ -214,12 +272,17 @@ def _attempt(write, *args):
 
 
 def commit(directory: Path, engine, step: int, folder: str, files: list, keep: int,
-           scaler: dict | None | str = "now", history: dict | None = None) -> None:
+           history: dict | None = None) -> None:
     """Rank 0, once every rank's file is in place: the manifests, then the older folders go.
-    `scaler`: the loss scaler's state at the step saved, where that was not now (--save-async);
     `history`: FP8's amax history at the step saved (`amax_history`)."""
-    manifest = build_manifest(engine, step, folder, files, scaler, history)
-    text = manifest_text(manifest).encode()
+    write_manifests(directory, folder, (manifest_head(engine, step, history), files), keep)
+
+
+def write_manifests(directory: Path, folder: str, parts: tuple[dict, list], keep: int) -> None:
+    """Rank 0 (its writer thread with --save-async): the manifest of `parts` (manifest_head's, and
+    the gathered files) written into the folder, then DIR's (the commit point); then the older
+    folders go."""
+    text = manifest_text(build_manifest(*parts, folder)).encode()
     inject_fault(0, "between the shards and the manifest", save="shards-written")  # tests: a kill here
     write_atomically(directory / folder / MANIFEST, text, 0, "manifest")  # --resume DIR/step-...
     write_atomically(directory / MANIFEST, text, 0, "manifest")  # the commit point
@@ -285,12 +348,35 @@ def foreign_manifest(directory) -> str | None:
 
 
 def write_npz(path: Path, arrays: dict, rank: int) -> tuple[int, str]:
-    """Write the arrays as one .npz file, atomically; return its size and SHA-256."""
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    data = buffer.getvalue()
-    write_atomically(path, data, rank, "shard")
-    return len(data), hashlib.sha256(data).hexdigest()
+    """Write the arrays as one .npz file, atomically (as write_atomically does); return its size and
+    SHA-256. The bytes are np.savez's, written straight into PATH.tmp: each array's own memory goes
+    to the zip's CRC and to the file, and the hash reads the file back through a memory map, so no
+    copy is made and the large calls (CRC, write, fsync, SHA-256) release the GIL: the writer thread
+    of --save-async leaves the interpreter to training (lessons/12_reliability.md)."""
+    temporary, items = path.with_name(path.name + ".tmp"), list(arrays.items())
+    with open(temporary, "wb+") as f:
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as archive:  # np.savez's own calls, unbuffered
+            add_arrays(archive, items[: len(items) // 2])
+            inject_fault(rank, "while saving its shard", save="shard")  # tests: a crash, half written
+            add_arrays(archive, items[len(items) // 2 :])
+        f.flush()
+        os.fsync(f.fileno())
+        size = os.fstat(f.fileno()).st_size
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as written:
+            digest = hashlib.sha256(written).hexdigest()  # of the bytes in the file, not of a copy
+    inject_fault(rank, "before renaming its shard", save="shard-fsynced")  # tests: written, not renamed
+    os.replace(temporary, path)
+    fsync_directory(path.parent)  # the rename itself reaches the disk
+    return size, digest
+
+
+def add_arrays(archive: zipfile.ZipFile, items: list) -> None:
+    """Each (name, array) as NAME.npy in the archive, as np.savez writes it."""
+    for name, array in items:
+        array = np.ascontiguousarray(array)
+        with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array_header_1_0(member, np.lib.format.header_data_from_array_1_0(array))
+            member.write(array.reshape(-1).view(np.uint8))  # the array's own memory: no copy
 
 
 def write_atomically(path: Path, data: bytes, rank: int, phase: str) -> None:
@@ -315,9 +401,26 @@ def fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
-def build_manifest(engine, step: int, folder: str, files: list, scaler: dict | None | str = "now",
-                   history: dict | None = None) -> dict:
-    cfg, tensors = engine.cfg, {}
+def manifest_head(engine, step: int, history: dict | None = None) -> dict:
+    """What the manifest says of the run, the model, the loss scaler and FP8's delayed amax history
+    (`history`: amax_history's, a collective every rank made), as they are at `step`."""
+    cfg = engine.cfg
+    return {
+        "format": FORMAT,
+        "step": step,
+        "seed": cfg.seed,
+        "model": model_identity(cfg, engine.model.config),
+        "layout": {"world_size": engine.grid.world.size, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
+                   "cp": cfg.cp, "zero": cfg.zero, "offload": cfg.offload, "precision": cfg.precision},
+        "run": run_settings(cfg),
+        "loss_scaler": loss_scaler_state(engine),
+        "fp8_amax_history": history or None,
+    }
+
+
+def build_manifest(head: dict, files: list, folder: str) -> dict:
+    """The manifest: the head, the folder, every rank's file and where each piece of each tensor is."""
+    tensors: dict = {}
     for file, _, _, entries, _ in files:
         for name, kind, piece in entries:
             tensor = tensors.setdefault(name, {"shape": list(piece.full_shape), "counts": {}, "pieces": {}})
@@ -328,20 +431,8 @@ def build_manifest(engine, step: int, folder: str, files: list, scaler: dict | N
             tensors[name]["counts"].update(held)
     for tensor in tensors.values():
         tensor["pieces"] = list(tensor["pieces"].values())
-    return {
-        "format": FORMAT,
-        "step": step,
-        "seed": cfg.seed,
-        "model": model_identity(cfg, engine.model.config),
-        "layout": {"world_size": engine.grid.world.size, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
-                   "cp": cfg.cp, "zero": cfg.zero, "offload": cfg.offload, "precision": cfg.precision},
-        "run": run_settings(cfg),
-        "loss_scaler": loss_scaler_state(engine) if scaler == "now" else scaler,
-        "fp8_amax_history": history or None,
-        "folder": folder,
-        "files": {file: {"bytes": size, "sha256": digest} for file, size, digest, _, _ in files},
-        "tensors": dict(sorted(tensors.items())),
-    }
+    files_of = {file: {"bytes": size, "sha256": digest} for file, size, digest, _, _ in files}
+    return {**head, "folder": folder, "files": files_of, "tensors": dict(sorted(tensors.items()))}
 
 
 def amax_history(engine) -> dict | None:

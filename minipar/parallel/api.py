@@ -205,7 +205,9 @@ class Updater(Protocol):
         }
 
     def checkpoint_pieces(self) -> dict:
-        """{name: {kind: (Piece, array)}}: the parameters this rank holds and their optimizer state."""
+        """{name: {kind: (Piece, array)}}: the parameters this rank holds and their optimizer state, as
+        host copies the caller owns (logical_state.to_host): --save-async writes them while the next
+        steps change the originals. Every updater's pieces are made by to_host."""
         return whole_pieces(self.model.named_parameters(), self.optimizer)
 
     def load_logical(self, state) -> None:

@@ -91,6 +91,7 @@ def assemble(pieces: list[tuple[Piece, np.ndarray]]) -> np.ndarray:
 
 
 def to_host(array) -> np.ndarray:
+    """A host copy: a checkpoint's pieces must not change when the optimizer next updates in place."""
     return np.array(current_backend().to_host(array))
 
 

@@ -3,13 +3,17 @@ thread while training goes on, committed at a later step boundary.
 
 The oracles: the uninterrupted synchronous run (a resume from an asynchronous checkpoint reproduces
 its losses and weights bit for bit); a writer held on an event (training must pass the next step
-while no manifest exists, or the save was not asynchronous); a writer whose disk is full (one line at
-the next boundary, the previous checkpoint intact). One process here; spawned kills on 2 ranks.
+while no manifest exists, or the save was not asynchronous), and so the commit (rank 0's writer writes
+the manifests and prunes); np.savez (a shard is its bytes, and the manifest their size and SHA-256);
+a writer whose disk is full (one line at the next boundary, the previous checkpoint intact). One
+process here; spawned kills on 2 ranks.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import io
 import json
 import os
 import subprocess
@@ -17,6 +21,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -82,6 +87,52 @@ def test_the_writer_held_on_an_event_training_passes_the_next_step_and_resuming_
         assert [r["loss"] for r in resumed.records] == [r["loss"] for r in whole.records][saved_step:]
         final, expected = weights(resumed), weights(whole)
         assert all(final[name].tobytes() == expected[name].tobytes() for name in expected), folder
+
+
+def test_the_commit_held_on_an_event_training_passes_the_next_step(tmp_path, monkeypatch):
+    """Once every shard of step 2's save is written (joined before step 2 runs), the boundary after step
+    2 hands the manifests to rank 0's writer, held on an event that step 3 sets: training reaches step 3
+    with the commit in flight and no manifest written (the fsyncs and the pruning are not the training
+    thread's). The run then ends with its last checkpoint committed."""
+    released, seen = threading.Event(), []
+    real = sharded.write_manifests
+
+    def held_manifests(*args):
+        released.wait(10)  # a commit on the training thread would wait here, then be seen written
+        return real(*args)
+
+    monkeypatch.setattr(sharded, "write_manifests", held_manifests)
+
+    class Probe(train.Trainer):
+        def step(self, step):
+            if step == 2:
+                self.pending_save.wait()  # the shards are written: the next boundary commits
+            if step == 3:
+                seen.append((self.pending_save.stage, self.pending_save.done(),
+                             (tmp_path / "manifest.json").exists()))
+                released.set()
+            return super().step(step)
+
+    run(CFG.replace(steps=6, save_every=2, save=str(tmp_path), save_async=True), Probe)
+    assert seen == [("commit", False, False)]
+    assert json.loads((tmp_path / "manifest.json").read_text())["step"] == 6
+
+
+def test_a_shard_holds_the_bytes_np_savez_writes_and_the_manifest_gets_their_size_and_sha256(tmp_path):
+    """write_npz writes from the arrays' own memory and hashes the file through a memory map: the file
+    must be np.savez's bytes exactly (an independent writer of the format; of the arrays in C order: a
+    Fortran-ordered one is written as its C-ordered copy), whole before it is hashed."""
+    rng = np.random.default_rng(0)
+    arrays = {"w/param": rng.standard_normal((5, 7)).astype(np.float32), "w/exp_avg": rng.standard_normal(35),
+              "b/param": np.arange(12.0).reshape(3, 4)[:, ::2], "e/param": np.zeros((0, 3)),
+              "f/param": np.asfortranarray(rng.standard_normal((3, 4)))}
+    expected = io.BytesIO()
+    np.savez(expected, **{name: np.ascontiguousarray(array) for name, array in arrays.items()})
+    size, digest = sharded.write_npz(tmp_path / "rank00000.npz", arrays, 0)
+    written = (tmp_path / "rank00000.npz").read_bytes()
+    assert written == expected.getvalue()
+    assert (size, digest) == (len(written), hashlib.sha256(written).hexdigest())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank00000.npz"]  # renamed, no .tmp left
 
 
 def test_a_full_disk_in_the_writer_is_one_line_at_the_next_boundary(tmp_path, monkeypatch):
