@@ -234,6 +234,21 @@ def test_gathered_weight_gradient_reduce_scattered_and_replicate_gradient_free(c
         assert (got == expected).all()
 
 
+def both_forms(module, forwards, x_data, upstream, comm) -> list[tuple]:
+    """Each forward of `module`'s layer on the same input and upstream gradient: its output, the input's
+    gradient, the parameters' gradients and the tp bytes of the step."""
+    outcomes = []
+    for forward in forwards:
+        for p in module.parameters():
+            p.grad = None
+        x = Tensor(x_data.copy(), True)
+        comm.ledger.start_step()
+        y = forward(x)
+        y.backward(upstream)
+        outcomes.append((y.data, x.grad, [p.grad.copy() for p in module.parameters()],
+                         comm.ledger.step_report()["by_dim_op"]))
+    return outcomes
+
 @needs_world_size(2)
 @mpi_given(max_examples=2, seed=st.integers(0, 2**16))
 def test_megatron_mlp_in_placements_is_tensor_py_step_for_step(comm, seed):
@@ -251,18 +266,9 @@ def test_megatron_mlp_in_placements_is_tensor_py_step_for_step(comm, seed):
     for p in mlp.parameters():
         p.data = p.data + comm.rank * (p.shard is not None)  # shards differ between ranks
     x_data, upstream = rng.standard_normal((3, 6)), rng.standard_normal((3, 6))
-    outcomes = []
     mesh = DeviceMesh({"tp": tp})
-    for forward in (mlp.forward, lambda x: tensor_parallel_mlp(x, mlp.fc, mlp.proj, mesh)):
-        for p in mlp.parameters():
-            p.grad = None
-        x = Tensor(x_data.copy(), True)
-        comm.ledger.start_step()
-        y = forward(x)
-        y.backward(upstream)
-        outcomes.append((y.data, x.grad, [p.grad.copy() for p in mlp.parameters()],
-                         comm.ledger.step_report()["by_dim_op"]))
-    (y0, gx0, gp0, sent0), (y1, gx1, gp1, sent1) = outcomes
+    (y0, gx0, gp0, sent0), (y1, gx1, gp1, sent1) = both_forms(
+        mlp, (mlp.forward, lambda x: tensor_parallel_mlp(x, mlp.fc, mlp.proj, mesh)), x_data, upstream, comm)
     assert numpy.array_equal(y0, y1) and numpy.array_equal(gx0, gx1)
     assert all(numpy.array_equal(a, b) for a, b in zip(gp0, gp1))
     assert sent0 == sent1 == {"tp": {"all_reduce": 2 * (3 * 6 * 8)}}  # f and g: 2(N-1)/N·S each, N = 2
@@ -306,17 +312,8 @@ def test_attention_and_sequence_parallelism_in_placements_are_megatrons_step_for
     shape = (2, 2 if sp else 4, 6)  # (b, s, h); with sp each rank's half of the 4 positions
     x_data = rng.standard_normal((comm.size, *shape))[comm.rank if sp else 0]  # Shard(1) or Replicate
     upstream = rng.standard_normal((comm.size, *shape))[comm.rank if sp else 0]
-    outcomes = []
-    for forward in (module.forward, in_placements):
-        for p in module.parameters():
-            p.grad = None
-        x = Tensor(x_data.copy(), True)
-        comm.ledger.start_step()
-        y = forward(x)
-        y.backward(upstream)
-        outcomes.append((y.data, x.grad, [p.grad.copy() for p in module.parameters()],
-                         comm.ledger.step_report()["by_dim_op"]))
-    (y0, gx0, gp0, sent0), (y1, gx1, gp1, sent1) = outcomes
+    (y0, gx0, gp0, sent0), (y1, gx1, gp1, sent1) = both_forms(
+        module, (module.forward, in_placements), x_data, upstream, comm)
     assert y0.shape == shape and numpy.array_equal(y0, y1) and numpy.array_equal(gx0, gx1)
     assert all(numpy.array_equal(a, b) for a, b in zip(gp0, gp1))
     piece = int(numpy.prod(shape)) * 8
