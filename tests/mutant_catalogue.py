@@ -215,7 +215,7 @@ MUTANTS = [
            tests=(TRACE_TESTS,), ranks=(8,)),
     # the trace's cost (bench trace): counters kept in flat arrays, a trace that stops and listens again
     Mutant("trace-counter-named-by-the-first-category", "minipar/trainer/trace.py",
-           "self.count_categories.append(self.category_names.index(category))",
+           "self.count_categories.append(self.category_index.setdefault(category, len(self.category_index)))",
            "self.count_categories.append(0)", tests=(TRACE_TESTS,), ranks=(2,)),
     Mutant("trace-stopped-still-records-the-trainers-spans", "minipar/trainer/trace.py",
            "        if self.handles:\n            self.recorder.span(",

@@ -97,7 +97,7 @@ class Recorder:
         # must visit (a dict or a tuple each would, and make it run about once a step), and become events
         # only when the trace is written.
         self.count_times, self.count_categories, self.count_bytes = array("d"), array("B"), array("q")
-        self.category_names: list[str] = []
+        self.category_index: dict[str, int] = {}  # each category's number in count_categories
 
     def counts(self) -> int:
         """Memory counter changes recorded so far."""
@@ -105,7 +105,7 @@ class Recorder:
 
     def all_events(self) -> list[dict]:
         """The events so far, the memory counters' among them."""
-        names = [f"memory: {category}" for category in self.category_names]
+        names = [f"memory: {category}" for category in self.category_index]
         return self.events + [{"ph": "C", "name": names[index], "tid": COMPUTE, "t": seconds,
                                "args": {"bytes": nbytes}} for seconds, index, nbytes
                               in zip(self.count_times, self.count_categories, self.count_bytes)]
@@ -161,11 +161,9 @@ class Recorder:
 
     def memory_changed(self, category: str, nbytes: int) -> None:
         if self.memory.get(category) != nbytes:
-            if category not in self.memory:
-                self.category_names.append(category)
             self.memory[category] = nbytes
             self.count_times.append(time.perf_counter())
-            self.count_categories.append(self.category_names.index(category))
+            self.count_categories.append(self.category_index.setdefault(category, len(self.category_index)))
             self.count_bytes.append(nbytes)
 
     def moved(self, category: str, source: str, target: str, nbytes: int, started: float, stopped: float):
