@@ -120,6 +120,9 @@ def gemm_seconds(spec: KernelSpec, m: int, n: int, k: int, batch: int = 1, value
     return max(best, batch * (m * k + k * n + m * n) * value_bytes / spec.hbm_bandwidth)
 
 
+LINEAR_GEMMS = (0, 3, 4, 5)  # block_gemms' Linear layers; 1 and 2 are the attention core's, per head
+
+
 def block_gemms(s: int, b: int, h: int, a: int, t: int = 1) -> list[tuple[int, int, int, int]]:
     """(m, n, k, batch) of one block's forward GEMMs on a tensor-parallel rank of t."""
     tokens, head, heads = s * b, h // a, b * a // t
@@ -159,13 +162,17 @@ def fp8_gemm_seconds(spec: KernelSpec, m: int, n: int, k: int, batch: int = 1) -
     return gemm_seconds(replace(spec, mamf=spec.fp8_mamf), m, n, k, batch, value_bytes=FP8_BYTES)
 
 
-def seconds(spec: KernelSpec, gemms, elementwise_bytes: int, value_bytes: int = 2,
-            fp8: bool = False) -> float:
-    """GEMMs one after another, then the elementwise passes at HBM bandwidth. `fp8`: the Linear
-    layers' GEMMs (batch 1; the attention core's are per head) run in FP8."""
-    return (sum(fp8_gemm_seconds(spec, *shape) if fp8 and shape[3] == 1
-                else gemm_seconds(spec, *shape, value_bytes=value_bytes) for shape in gemms)
+def seconds(spec: KernelSpec, gemms, elementwise_bytes: int, value_bytes: int = 2, fp8_gemms=()) -> float:
+    """GEMMs one after another, then the elementwise passes at HBM bandwidth; `fp8_gemms` run in FP8."""
+    return (sum(gemm_seconds(spec, *shape, value_bytes=value_bytes) for shape in gemms)
+            + sum(fp8_gemm_seconds(spec, *shape) for shape in fp8_gemms)
             + elementwise_bytes / spec.hbm_bandwidth)
+
+
+def linear_gemms(s: int, b: int, h: int, a: int, t: int = 1) -> list[tuple[int, int, int, int]]:
+    """The forward GEMMs of a block's Linear layers (q/k/v, projection, fc, fc2): what FP8 runs."""
+    gemms = block_gemms(s, b, h, a, t)
+    return [gemms[i] for i in LINEAR_GEMMS]
 
 
 def flash_attention_saving(s: int, b: int, h: int, a: int, t: int = 1,
@@ -193,8 +200,11 @@ def block_seconds(spec: KernelSpec, s: int, b: int, h: int, a: int, t: int = 1, 
     if flash:
         forward_saved, backward_saved, extra_backward = flash_attention_saving(s, b, h, a, t, value_bytes)
         forward_bytes, backward_bytes = forward_bytes - forward_saved, backward_bytes - backward_saved
-    forward = seconds(spec, gemms, forward_bytes, value_bytes, fp8)
-    backward = seconds(spec, backward_gemms(gemms) + extra_backward, backward_bytes, value_bytes, fp8)
+    narrow = [g for i, g in enumerate(gemms) if fp8 and i in LINEAR_GEMMS]  # fp8: the Linear layers'
+    wide = [g for i, g in enumerate(gemms) if not (fp8 and i in LINEAR_GEMMS)]
+    forward = seconds(spec, wide, forward_bytes, value_bytes, narrow)
+    backward = seconds(spec, backward_gemms(wide) + extra_backward, backward_bytes, value_bytes,
+                       backward_gemms(narrow))
     if recompute == "full":
         backward += forward
     elif recompute == "selective":

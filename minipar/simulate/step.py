@@ -252,7 +252,7 @@ def _linear_seconds(m: ModelShape, lay: Layout, mach: Machine) -> list[float]:
     """Forward seconds of a block's q/k/v, projection, fc and fc2 GEMMs on a tp rank: the windows
     tensor-parallel communication can hide under."""
     b, h, t = lay.microbatch_size, m.d_model, lay.tp
-    gemms = [g for g in kernels.block_gemms(m.seq_len, b, h, m.n_head, t) if g[3] == 1]  # not per head
+    gemms = kernels.linear_gemms(m.seq_len, b, h, m.n_head, t)
     if mach.kernels is not None:
         value_bytes = PRECISION_BYTES[lay.precision][3]
         if lay.precision == "fp8":

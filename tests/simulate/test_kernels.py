@@ -116,6 +116,22 @@ def test_fp8_runs_the_linear_gemms_only():
     assert steps["bf16"]["step_s"] - steps["fp8"]["step_s"] > 2 * saved / mach.matmul_efficiency
 
 
+def test_fp8_leaves_the_attention_core_in_bf16_with_one_head_a_rank_and_one_sequence():
+    """b = 1 and one head per tp rank (a = t): the per-head GEMMs then have batch 1, as a Linear's do,
+    and must still run in bf16: FP8 takes off exactly the four Linear GEMMs' time, forward and backward
+    (written out here: q/k/v and fc column-parallel, the projection and fc2 row-parallel)."""
+    s, b, h, a, t = 1024, 1, 1024, 4, 4
+    linears = [(s * b, 3 * h // t, h, 1), (s * b, h, h // t, 1), (s * b, 4 * h // t, h, 1),
+               (s * b, h, 4 * h // t, 1)]
+    backward = [shape for m, n, k, one in linears for shape in ((m, k, n, one), (k, n, m, one))]
+
+    def saved(gemms):
+        return sum(kernels.gemm_seconds(H100, *g) - kernels.fp8_gemm_seconds(H100, *g) for g in gemms)
+
+    bf16, fp8 = (kernels.block_seconds(H100, s, b, h, a, t, fp8=f) for f in (False, True))
+    assert bf16[0] - fp8[0] == pytest.approx(saved(linears), rel=1e-9)
+    assert bf16[1] - fp8[1] == pytest.approx(saved(backward), rel=1e-9)
+
 # ---- what step.py composes ---------------------------------------------------------------------------
 
 QUIET = replace(GPUS["a100-80gb"], kernels=None, intra_latency=0.0, intra_bandwidth=float("inf"),
