@@ -251,9 +251,10 @@ class Trace:
     def stalled(self, line: str) -> None:
         """The watchdog is ending this rank (a collective stalled): no merge will happen, so the rank
         writes its own events so far, the stall last, to DIR/trace-rank-R.json (a trace on its own)."""
+        so_far = self.recorder.all_events()  # the memory counters' last: the stall goes after them
         self.recorder.instant(COMM, "watchdog: " + line.strip(), "watchdog")
         rank = self.world.rank  # pid = rank, as in the merged trace
-        events = in_microseconds(self.recorder.all_events(), rank, self.shift())
+        events = in_microseconds(so_far + self.recorder.events[-1:], rank, self.shift())
         tids = {COMPUTE} | {e["tid"] for e in events}
         named = metadata_events(rank, self.grid.coords_of(self.world.rank), tids)
         try:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from minipar.trainer.launch import run_train
 from minipar_lab.bench import trace
@@ -36,6 +37,10 @@ def test_a_job_traces_every_other_step_trains_as_without_a_trace_and_the_cost_is
     assert [s["loss"] for s in first] == [s["loss"] for s in second] == [r["loss"] for r in plain]
     ratios = trace.pair_ratios(first, 2) + trace.pair_ratios(second, 2)
     assert figures["pairs"] == 4 and figures["cost"] == float(np.median(ratios) - 1)
+    for row, traced in zip(figures["ways"], (False, True)):  # each way's median, from its own steps
+        seconds = [s["time_s"] for job in (first, second) for s in job[2:] if s["traced"] == traced]
+        assert row["way"] == ("traced" if traced else "plain")
+        assert row["step_ms"] == pytest.approx(1e3 * float(np.median(seconds)), rel=1e-12)
 
 
 def test_bad_input_is_one_line_and_exit_2_before_any_job():

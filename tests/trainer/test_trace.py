@@ -25,7 +25,7 @@ from minipar.parallel.schedules import build_schedule
 from minipar.trainer import loop as train
 from minipar.trainer import trace_summary
 from minipar.trainer.config import TrainConfig
-from minipar.trainer.trace import MARKER, TRACE_FILE, Recorder, clock_offset
+from minipar.trainer.trace import MARKER, TRACE_FILE, Recorder, clock_offset, in_microseconds
 from minipar.trainer.trace_summary import format_problems, summary
 from minipar.trainer.validate import validate
 
@@ -281,6 +281,7 @@ def test_without_trace_nothing_listens_and_a_trace_leaves_no_listener_behind(tmp
                                    device_mem_mb=1.0), MPI.COMM_SELF)
     assert len(on.world.ledger.listeners) == len(on.memory.listeners) == len(move_meter.listeners) == 1
     assert on.trace.stalled in watchdog.WATCHDOG.reporters
+    on.trace.recorder.memory_changed("activations", 64)  # a counter before the stall
     on.trace.stalled("minipar: error: rank 0 waited 31 s in all_reduce ...\n")  # what the watchdog calls
     alone = json.loads((tmp_path / "t" / "trace-rank-0.json").read_text())  # the rank's own, as it ends
     assert format_problems(alone) == [] and alone["traceEvents"][-1]["name"].startswith("watchdog: ")
@@ -310,21 +311,26 @@ def test_a_stopped_trace_records_nothing_until_it_listens_again(tmp_path):
     def recorded() -> int:
         return len(recorder.events) + recorder.counts()
 
-    trainer.step(0)
-    first = recorded()
-    assert first > 0 and recorder.counts() > 0
-    trainer.trace.stop()
-    assert not trainer.world.ledger.listeners and not trainer.memory.listeners and not move_meter.listeners
-    trainer.step(1)
-    assert recorded() == first
-    trainer.trace.listen()
-    assert len(trainer.world.ledger.listeners) == len(trainer.memory.listeners) == 1
-    trainer.step(2)
-    assert recorded() > first
-    steps = [e["name"] for e in recorder.all_events() if e.get("cat") == "trainer"]
-    assert steps == ["step 0", "step 2"]
-    trainer.trace.stop()
-    trainer.memory.close()
+    try:
+        trainer.step(0)
+        first, counters = recorded(), recorder.counts()
+        assert first > 0 and counters > 0
+        trainer.trace.stop()
+        assert not trainer.world.ledger.listeners and not trainer.memory.listeners
+        assert not move_meter.listeners and trainer.trace.stalled not in watchdog.WATCHDOG.reporters
+        trainer.step(1)
+        assert recorded() == first
+        trainer.trace.listen()
+        listeners = (trainer.world.ledger.listeners, trainer.memory.listeners, move_meter.listeners)
+        assert [len(hooks) for hooks in listeners] == [1, 1, 1]
+        assert list(watchdog.WATCHDOG.reporters).count(trainer.trace.stalled) == 1
+        trainer.step(2)
+        assert recorded() > first and recorder.counts() > counters
+        steps = [e["name"] for e in recorder.all_events() if e.get("cat") == "trainer"]
+        assert steps == ["step 0", "step 2"]
+    finally:  # no listener left on the global meters for the tests after this one
+        trainer.trace.stop()
+        trainer.memory.close()
 
 
 def test_an_action_in_stretches_is_one_action_and_all_its_time():
@@ -338,8 +344,7 @@ def test_an_action_in_stretches_is_one_action_and_all_its_time():
         recorder.action(label, started, stopped)
     spans = [e for e in recorder.events if e["cat"] == "action"]
     assert [e["args"].get("continues", False) for e in spans] == [False, False, True, False]
-    events = [{**e, "ts": round(e["t"] * 1e6), "dur": round((e["end"] - e["t"]) * 1e6), "pid": 0}
-              for e in recorder.events]
+    events = in_microseconds(recorder.all_events(), 0, 0.0)  # as the trace file holds them
     mine = summary({"traceEvents": named((0, 0)) + events})["ranks"][0]
     assert mine["actions"] == {"F": 2, "B": 1}
     assert mine["seconds"]["F"] == pytest.approx(0.003) and mine["seconds"]["B"] == pytest.approx(0.002)
