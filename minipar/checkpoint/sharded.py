@@ -436,12 +436,16 @@ def build_manifest(head: dict, files: list, folder: str) -> dict:
 
 
 def amax_history(engine) -> dict | None:
-    """FP8's delayed amax history, every stage's layers (a collective over the world in fp8: the
-    pipeline's stages hold different layers; the dp and tp ranks of one the same, agreed, history)."""
+    """FP8's delayed amax history, every stage's layers, on rank 0 (which writes the manifest; None
+    elsewhere). A collective over the world in fp8: the pipeline's stages hold different layers, the dp
+    and tp ranks of one the same, agreed, history."""
     if engine.cfg.precision != "fp8":
         return None
+    gathered = engine.grid.world.gather_obj(fp8.amax_history(engine.runner), root=0)
+    if gathered is None:
+        return None
     merged: dict = {}
-    for history in engine.grid.world.allgather_obj(fp8.amax_history(engine.runner)):
+    for history in gathered:
         merged.update(history)
     return merged
 
