@@ -130,8 +130,8 @@ class SaveFailed(OSError):
 # The same files and commit as save(), cut in stages: at the step boundary of the save, `start_save`
 # agrees on the folder and which rank writes which piece (the collectives save() makes), takes this
 # rank's pieces (copies: checkpoint_pieces hands out host copies, which the optimizer's next step does
-# not touch) and hands them to a thread that only writes files (no MPI call: MPI is not asked for
-# thread support, and the main thread's collectives must stay in order); training goes on. At each later
+# not touch) and hands them to a thread that only writes files (no MPI call: the main thread's
+# collectives must stay in the same order on every rank); training goes on. At each later
 # step boundary `finish_save` asks, by one small collective, whether every rank's writer is done. Once
 # the shards are: the gather of their sizes and digests, then rank 0's writer writes the manifests (the
 # commit point) and prunes, in save()'s order; the boundary after that learns its outcome (one broadcast)
@@ -793,7 +793,8 @@ def changes_on_resume(directory, cfg) -> dict:
 
 
 def load(directory, engine) -> int:
-    """Set the engine's state from the checkpoint in `directory`; return its step. No collective."""
+    """Set the engine's state from the checkpoint in `directory`; return its step. Every rank calls it:
+    an FP8 ZeRO-3 updater agrees the scales of groups its shards cut (an all-reduce over dp) as it loads."""
     manifest = read_manifest(directory, engine.cfg, engine.model.config)
     state = SavedState(base_of(Path(directory), manifest), manifest)
     # first: ZeRO-3 in FP8 quantizes the loaded shards with the delayed scales (precision/fp8_zero3.py)

@@ -26,7 +26,7 @@ _output_cast = None  # set by mixed precision: rounds every op's output and inpu
 
 def recording_modes() -> tuple:
     """What `no_grad`, `enable_grad` and `cast_outputs` set, as one value. A part of an overlapped
-    pipeline step (parallel/overlap.py) that hands the processor to the other part in the middle of
+    pipeline step (parallel/f_and_b.py) that hands the processor to the other part in the middle of
     its work keeps its own modes across the hand-over with this and `restore_recording_modes`."""
     return _grad_enabled, _output_cast
 

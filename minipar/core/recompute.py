@@ -40,7 +40,7 @@ def recomputing() -> bool:
 
 def rerun_depth() -> int:
     """How many reruns are under way: with `restore_rerun_depth`, a part of an overlapped pipeline
-    step keeps its own across a hand-over to the other part (parallel/overlap.py)."""
+    step keeps its own across a hand-over to the other part (parallel/f_and_b.py)."""
     return _rerunning
 
 

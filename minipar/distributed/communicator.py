@@ -134,9 +134,7 @@ class Comm:
         """
         flat = shard.reshape(-1)
         counts = counts or (self.allgather_obj(flat.size) if numel is None else shard_sizes(numel, self.size))
-        if counts[self.rank] != flat.size:
-            raise ValueError(f"rank {self.rank} holds {flat.size} elements, but shard_bounds({numel}, "
-                             f"{self.size}, {self.rank}) says {counts[self.rank]}")
+        self._check_share(flat.size, counts, numel)
         # Uneven shards are padded to the largest and sent with Allgather, not Allgatherv: MPICH's
         # Allgatherv ran 50x slower (420 ms vs 8 ms for 8 MB on 4 ranks sharing 2 cores).
         widest = max(counts)
@@ -181,15 +179,19 @@ class Comm:
         self._charge_ring("all_reduce", shard_sizes(send.size, self.size), send.itemsize, pending)
         return PendingCollective(self, "all_reduce", request, send, lambda: _device(received), pending)
 
+    def _check_share(self, size: int, counts: list[int], numel: int | None) -> None:
+        """This rank's shard must have the size its gather expects (`numel`'s even split, or `counts`)."""
+        if counts[self.rank] != size:
+            said = f"shard_bounds({numel}, {self.size}, {self.rank})" if numel is not None else "counts"
+            raise ValueError(f"rank {self.rank} holds {size} elements, but {said} says {counts[self.rank]}")
+
     def iall_gather(self, shard, numel: int | None = None,
                     counts: list[int] | None = None) -> PendingCollective:
         """Start all_gather(shard, numel or counts) without waiting (ZeRO-3's prefetch): charged now,
         like all_gather; `wait()` on the result gives the flat concatenation."""
         counts = counts or shard_sizes(numel or 0, self.size)
         flat = shard.reshape(-1)
-        if counts[self.rank] != flat.size:
-            raise ValueError(f"rank {self.rank} holds {flat.size} elements, but shard_bounds({numel}, "
-                             f"{self.size}, {self.rank}) says {counts[self.rank]}")
+        self._check_share(flat.size, counts, numel)
         widest = max(counts)
         xp = backend.xp_of(flat)
         if flat.size != widest:  # padded as all_gather pads
@@ -210,7 +212,7 @@ class Comm:
 
     def iall_to_all(self, blocks) -> PendingCollective:
         """Start collectives.all_to_all(self, blocks) without waiting (an overlapped F&B step's expert
-        dispatch, parallel/overlap.py): block s of `blocks` goes to rank s. Charged now as the blocking
+        dispatch, parallel/f_and_b.py): block s of `blocks` goes to rank s. Charged now as the blocking
         one charges it, one message of a block to each other rank in the same order; `wait()` on the
         result gives the received blocks, block r from rank r."""
         send = _send_buffer(blocks)

@@ -23,6 +23,7 @@ saturating (clip to +-max first, the hardware's satfinite conversion) or not (be
 E4M3, infinity in E5M2). FP8 training itself is precision/fp8.py.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -140,10 +141,11 @@ def round_to_e5m2(x, saturate: bool = True) -> np.ndarray:
     return round_to_fp8(x, E5M2, saturate)
 
 
+@functools.cache  # the table is built once per format: the FP8 ZeRO-3 gather reads it every step
 def fp8_values(fmt: FP8Format) -> np.ndarray:
-    """The 256 values of `fmt` (float64), indexed by bit pattern S.EEEE.MMM (E4M3) or S.EEEEE.MM (E5M2):
-    exponent bias 1 - min_normal_exponent, exponent 0 the subnormals m·2^(min_normal - mantissa_bits);
-    a pattern beyond max_finite is E4M3's NaN, or E5M2's infinity (mantissa 0) and NaN."""
+    """The 256 values of `fmt` (float64, read-only), indexed by bit pattern S.EEEE.MMM (E4M3) or
+    S.EEEEE.MM (E5M2): exponent bias 1 - min_normal_exponent, exponent 0 the subnormals m·2^(min_normal -
+    mantissa_bits); a pattern beyond max_finite is E4M3's NaN, or E5M2's infinity (mantissa 0) and NaN."""
     bits = np.arange(256)
     m_bits, exponent = fmt.mantissa_bits, (np.arange(256) & 0x7F) >> fmt.mantissa_bits
     mantissa = bits & ((1 << m_bits) - 1)
@@ -151,7 +153,9 @@ def fp8_values(fmt: FP8Format) -> np.ndarray:
     magnitude = np.where(exponent == 0, mantissa * 2.0**(fmt.min_normal_exponent - m_bits), normal)
     beyond = np.where((mantissa == 0) & np.isinf(fmt.overflow), np.inf, np.nan)
     magnitude = np.where(magnitude > fmt.max_finite, beyond, magnitude)
-    return np.where(bits >> 7, -magnitude, magnitude)
+    values = np.where(bits >> 7, -magnitude, magnitude)
+    values.flags.writeable = False
+    return values
 
 
 def to_fp8_bits(values, fmt: FP8Format) -> np.ndarray:

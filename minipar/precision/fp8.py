@@ -184,8 +184,7 @@ class PerTensorScaling:
         if not self.delayed:
             return scale_for(amax, fmt, self.margin)
         self.step_amax[key] = max(self.step_amax.get(key, 0.0), amax)
-        past = self.history.get(key)
-        return scale_for(max(past), fmt, self.margin) if past else 1.0
+        return self.history_scale(key, fmt)
 
     def history_scale(self, key: tuple, fmt: FP8Format) -> float:
         """The delayed scale of `key` for this step, recording nothing (a weight quantized before it is

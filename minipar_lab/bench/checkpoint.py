@@ -1,22 +1,22 @@
 """`python -m minipar bench checkpoint`: what `--save-async` hides of a periodic checkpoint's cost.
 
-One process trains the GPT of `minipar train` three ways, each its own trainer: no saving, a
-synchronous save every K steps (`--save DIR --save-every K`) and an asynchronous one (the same with
-`--save-async`). A save writes every parameter with its AdamW moments (checkpoint/sharded.py: an .npz,
-its SHA-256, fsync, rename, then the manifest), so at a wide model with few tokens a step the save costs
-a good part of the step. A round times a few consecutive steps of each way in turn (timing.py
-`round_times`, alternating, shuffled), as the training loop runs them: a round opens with a save's
-boundary (K divides the round's steps), each step follows its boundary (the stage of the save in flight
-moved on, a save started every K steps), and the round ends with the wait for its last save, timed: the
-wait the next round's first boundary would make. So every save a round starts is paid for in that
-round, after K steps to hide behind, as in a run, and no writer runs beside another way's steps. The table: the median step of
-each way and its cost over no saving, as the median of the per-round ratios.
+One process trains the GPT of `minipar train` three ways, each its own trainer: no saving, a synchronous
+save every K steps (`--save DIR --save-every K`) and an asynchronous one (the same with `--save-async`).
+A save writes every parameter with its AdamW moments (checkpoint/sharded.py: an .npz, its SHA-256,
+fsync, rename, then the manifest), so at a wide model with few tokens a step the save costs a good part
+of the step. A round times a few consecutive steps of each way in turn (timing.py `round_times`,
+alternating, shuffled), as the training loop runs them: a round opens with a save's boundary (K divides
+the round's steps), each step follows its boundary (the stage of the save in flight moved on, a save
+started every K steps), and the round ends with the wait for its last save, timed: the wait the next
+round's first boundary would make. So every save a round starts is paid for in that round, after K steps
+to hide behind, as in a run, and no writer runs beside another way's steps. The table: the median step
+of each way and its cost over no saving, as the median of the per-round ratios.
 
-What the asynchronous save still pays on the training thread: the copy of the state, the collectives
-of the boundaries and the thread starts; beside it, the writer needs CPU (CRC, hash, page-cache
-copies, fsync, unlinks) and the GIL a little. With OPENBLAS_NUM_THREADS=1 the step keeps one core, as a
-rank of `minipar train` does (it stands for one device), and the writer may have the other; with
-K = 1 a save's writing has no step to hide behind that the next save does not wait for.
+What the asynchronous save still pays on the training thread: the copy of the state, the collectives of
+the boundaries and the hand-over to the writer thread; beside it, the writer needs CPU (CRC, hash, page-
+cache copies, fsync, unlinks) and the GIL a little. With OPENBLAS_NUM_THREADS=1 the step keeps one core,
+as a rank of `minipar train` does (it stands for one device), and the writer may have the other; with K
+= 1 a save's writing has no step to hide behind that the next save does not wait for.
 Lesson: lessons/12_reliability.md.
 
     python -m minipar bench checkpoint [--d-model 256] [--n-layer 4] [--seq-len 16] [--batch 4]

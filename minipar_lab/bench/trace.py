@@ -123,8 +123,8 @@ def main(argv) -> int:
         print()
         return 0
     low, high = figures["cost_quartiles"]
-    print(f"{args.ranks} ranks, minipar train {' '.join(train_args)} --steps {args.steps}, {args.repeats} jobs, "
-          f"the trace listening on every other step; steps after {args.warmup} warm-up ({SPREAD})")
+    print(f"{args.ranks} ranks, minipar train {' '.join(train_args)} --steps {args.steps}, {args.repeats} "
+          f"jobs, the trace listening on every other step; steps after {args.warmup} warm-up ({SPREAD})")
     columns = [("way", lambda r: "--trace DIR" if r["way"] == "traced" else "no trace"),
                ("step", lambda r: f"{plus_minus(r['step_ms'], r['step_ms_spread'])} ms")]
     print("\n".join(right_aligned(figures["ways"], columns)))
