@@ -286,7 +286,8 @@ def simulate_step(m: ModelShape, lay: Layout, mach: Machine) -> dict:
     stages = lay.blocks_per_stage(m.n_layer)
     layers_here = max(stages)  # the heaviest stage's blocks set the pipeline's pace
     # two all-reduces of the s·b·h activations per block and pass (Megatron's f and g); with --sp a
-    # reduce-scatter and an all-gather each instead, the same bytes
+    # reduce-scatter and an all-gather each instead, the same bytes (the backward's re-gather of each
+    # gathered input is not charged: in every published --sp run it hides under the input-gradient GEMM)
     all_reduce = ring_seconds("all_reduce", s * b * h * value_bytes, lay.tp, *links["tp"])
     tp_pass = 2 * layers_here * all_reduce
     tp_exposed = tp_pass
